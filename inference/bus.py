@@ -1,0 +1,144 @@
+"""Side channels between web processes and workers, all through Redis.
+
+- Cancellation: the consumer publishes a request id on one pub/sub channel; every worker listens
+  and cancels it in its engine within one decode step. A short-lived key covers the race where the
+  cancel arrives before the task has submitted the request.
+- Engine stats: each worker writes its engine's stats under its own key every half second, with a
+  TTL, so a dead worker disappears from the list by itself.
+- Streaming: the channel layer is asyncio; a worker thread hands messages to one long-lived event
+  loop (one connection pool) instead of spinning up a loop and a connection per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from functools import lru_cache
+
+import redis
+import redis.asyncio as aioredis
+from channels.layers import get_channel_layer
+from django.conf import settings
+
+log = logging.getLogger(__name__)
+
+CANCEL_CHANNEL = "ceiling:cancel"
+CANCEL_KEY = "ceiling:cancelled:{}"
+STATS_KEY_PREFIX = "ceiling:engine:"
+STATS_TTL_S = 5
+
+
+@lru_cache(maxsize=1)
+def redis_client() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
+
+
+def request_group(request_id: str) -> str:
+    return f"req.{request_id}"
+
+
+# --- cancellation -------------------------------------------------------------------------------
+
+
+async def arequest_cancel(request_id: str) -> None:
+    client = aioredis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.set(CANCEL_KEY.format(request_id), 1, ex=600)
+            pipe.publish(CANCEL_CHANNEL, request_id)
+            await pipe.execute()
+    finally:
+        await client.aclose()
+
+
+def request_cancel(request_id: str) -> None:
+    pipe = redis_client().pipeline(transaction=False)
+    pipe.set(CANCEL_KEY.format(request_id), 1, ex=600)
+    pipe.publish(CANCEL_CHANNEL, request_id)
+    pipe.execute()
+
+
+def is_cancel_requested(request_id: str) -> bool:
+    return bool(redis_client().exists(CANCEL_KEY.format(request_id)))
+
+
+def listen_for_cancellations(on_cancel: Callable[[str], object], stop: threading.Event) -> None:
+    """Run in a thread: call on_cancel(request_id) for every published cancellation; reconnects."""
+    while not stop.is_set():
+        try:
+            pubsub = redis_client().pubsub(ignore_subscribe_messages=True)
+            pubsub.subscribe(CANCEL_CHANNEL)
+            while not stop.is_set():
+                message = pubsub.get_message(timeout=0.5)
+                if message and message["type"] == "message":
+                    on_cancel(message["data"].decode())
+        except redis.RedisError as exc:
+            log.warning("cancellation listener lost Redis (%s); reconnecting", exc)
+            stop.wait(1.0)
+
+
+# --- engine stats ------------------------------------------------------------------------------
+
+
+def worker_stats_key() -> str:
+    return f"{STATS_KEY_PREFIX}{socket.gethostname()}:{os.getpid()}"
+
+
+def publish_stats_forever(read_stats: Callable[[], dict], stop: threading.Event, every_s: float = 0.5) -> None:
+    key = worker_stats_key()
+    while not stop.wait(every_s):
+        try:
+            redis_client().set(key, json.dumps(read_stats()), ex=STATS_TTL_S)
+        except redis.RedisError as exc:
+            log.warning("could not publish engine stats: %s", exc)
+        except Exception:  # noqa: BLE001 - stats must never take the worker down
+            log.exception("reading engine stats failed")
+
+
+def read_engine_stats() -> list[dict]:
+    """The live stats of every worker's engine (those that reported in the last few seconds)."""
+    client = redis_client()
+    keys = sorted(client.scan_iter(match=STATS_KEY_PREFIX + "*", count=100))
+    if not keys:
+        return []
+    return [json.loads(raw) | {"worker": key.decode()[len(STATS_KEY_PREFIX) :]} for key, raw in zip(keys, client.mget(keys)) if raw]
+
+
+# --- streaming to the channel layer from worker threads ------------------------------------------
+
+
+class ChannelSender:
+    """One event loop thread that performs every group_send of this process, in submission order."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="channel-sender", daemon=True)
+        self.thread.start()
+        self.layer = get_channel_layer()
+
+    def group_send(self, group: str, message: dict, timeout: float = 5.0) -> bool:
+        """Send and wait (the next token must not overtake this one). False if the layer failed."""
+        future = asyncio.run_coroutine_threadsafe(self.layer.group_send(group, message), self.loop)
+        try:
+            future.result(timeout=timeout)
+            return True
+        except Exception as exc:  # noqa: BLE001 - the channel layer is at-most-once; the ledger is not
+            log.warning("channel layer send to %s failed: %s", group, exc)
+            return False
+
+
+_sender: ChannelSender | None = None
+_sender_lock = threading.Lock()
+
+
+def channel_sender() -> ChannelSender:
+    global _sender
+    with _sender_lock:
+        if _sender is None:
+            _sender = ChannelSender()
+        return _sender

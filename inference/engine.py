@@ -1,0 +1,447 @@
+"""The continuous-batching engine: one per worker process, many requests in one running batch.
+
+It wraps transformers' ContinuousBatchingManager (paged KV cache, block sharing for common
+prefixes). Facts that shape this file (see shared/ENGINE_NOTES.md, checked on transformers 5.24):
+
+- add_request / cancel_request are thread-safe, but reading results is not: get_result(request_id)
+  puts other requests' outputs back and returns None at once. So ONE pump thread reads every output
+  and routes it to a per-request queue registered before add_request.
+- A streamed output carries all tokens so far; we turn it into "new tokens since last time".
+- A cancelled request never gets a final output: cancel() pushes its own "cancelled" marker.
+- An empty prompt, a request larger than the whole KV cache, or a duplicate request id kill the
+  manager's loop thread: submit() validates first and uses a fresh engine id every time; the pump
+  rebuilds the manager if its thread died anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_CANCELLED = "cancelled"
+FINISH_ERROR = "error"
+
+
+class EngineError(RuntimeError):
+    """The engine cannot take or finish a request; the message is safe to show to a user."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: Path
+    device: str = "cpu"
+    torch_threads: int = 2
+    page_size: int = 32
+    num_blocks: int = 512
+    max_batch_tokens: int = 512
+    prefix_sharing: bool = True
+
+    @classmethod
+    def from_settings(cls, model_dir: Path) -> EngineConfig:
+        from django.conf import settings
+
+        return cls(
+            model_dir=model_dir,
+            device=settings.CEILING_DEVICE or ("cuda" if torch.cuda.is_available() else "cpu"),
+            torch_threads=settings.CEILING_TORCH_THREADS,
+            page_size=settings.CEILING_KV_PAGE_SIZE,
+            num_blocks=settings.CEILING_KV_BLOCKS,
+            max_batch_tokens=settings.CEILING_MAX_BATCH_TOKENS,
+            prefix_sharing=settings.CEILING_PREFIX_SHARING,
+        )
+
+
+@dataclass
+class StreamEvent:
+    """What happened to one request since the last event: new tokens, and maybe its end."""
+
+    new_tokens: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    model: str
+    device: str
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    tokens_generated: int
+    tokens_per_s: float
+    requests_finished: int
+    peak_running: int
+    restarts: int
+    updated_at: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+_CANCELLED = object()  # marker pushed into a request's queue by cancel()
+
+
+class RequestHandle:
+    """One submitted request: iterate events() to read its stream."""
+
+    def __init__(self, engine: Engine, request_id: str, engine_id: str, eos_ids: set[int]) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.engine_id = engine_id
+        self.eos_ids = eos_ids
+        self.outputs: queue.Queue = queue.Queue()
+        self.tokens: list[int] = []
+
+    def events(self, timeout: float) -> Iterator[StreamEvent]:
+        """Yield events until the request ends; raises EngineError if nothing arrives within timeout."""
+        while True:
+            try:
+                item = self.outputs.get(timeout=timeout)
+            except queue.Empty:
+                self.engine.cancel(self.request_id)
+                raise EngineError(f"the engine produced nothing for {timeout:.0f} s") from None
+            event = self._to_event(item)
+            if event.new_tokens or event.finished:
+                yield event
+            if event.finished:
+                return
+
+    def _to_event(self, item) -> StreamEvent:
+        if item is _CANCELLED:
+            return StreamEvent([], finished=True, finish_reason=FINISH_CANCELLED)
+        generated = list(item.generated_tokens)
+        new = generated[len(self.tokens) :]
+        self.tokens = generated
+        if not item.is_finished():
+            return StreamEvent(new)
+        if item.error:
+            return StreamEvent(new, finished=True, finish_reason=FINISH_ERROR, error=str(item.error))
+        reason = FINISH_STOP if generated and generated[-1] in self.eos_ids else FINISH_LENGTH
+        return StreamEvent(new, finished=True, finish_reason=reason)
+
+
+class Engine:
+    """Loads the model once and serves many concurrent streaming requests from it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = None
+        self.model = None
+        self.manager = None
+        self._handles: dict[str, RequestHandle] = {}  # engine id → handle
+        self._by_request: dict[str, str] = {}  # our request id → engine id
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._pump_thread: threading.Thread | None = None
+        self._tokens_generated = 0
+        self._requests_finished = 0
+        self._peak_running = 0
+        self._restarts = 0
+        self._recent_tokens: deque[tuple[float, int]] = deque()
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def load(self, progress=print) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(self.config.torch_threads)
+        started = time.monotonic()
+        progress(f"Loading tokenizer from {self.config.model_dir}…")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.config.model_dir))
+        progress(f"Loading model weights ({self.config.device})…")
+        dtype = torch.bfloat16 if self.config.device.startswith("cuda") else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(
+            str(self.config.model_dir), dtype=dtype, attn_implementation="sdpa"
+        )
+        self.model = model.to(self.config.device).eval()
+        progress(f"Model loaded in {time.monotonic() - started:.1f} s")
+
+    def start(self) -> None:
+        if self.model is None:
+            self.load()
+        self.manager = self._new_manager()
+        self._stopping.clear()
+        self._pump_thread = threading.Thread(target=self._pump, name="engine-pump", daemon=True)
+        self._pump_thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self.manager is not None:
+            self.manager.stop(block=True, timeout=5, hard_stop=True)
+        if self._pump_thread is not None:
+            self._pump_thread.join(timeout=5)
+        self._fail_all("the engine stopped")
+
+    def _new_manager(self):
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        generation_config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=256,
+            eos_token_id=self.eos_ids_list(),
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        cb_config = ContinuousBatchingConfig(
+            page_size=self.config.page_size,
+            num_blocks=self.config.num_blocks,
+            max_batch_tokens=self.config.max_batch_tokens,
+            allow_block_sharing=self.config.prefix_sharing,
+        )
+        manager = self.model.init_continuous_batching(
+            generation_config=generation_config, continuous_batching_config=cb_config
+        )
+        manager.start()
+        return manager
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def eos_ids_list(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id}
+        generation_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if isinstance(generation_eos, int):
+            ids.add(generation_eos)
+        elif generation_eos:
+            ids.update(generation_eos)
+        return sorted(i for i in ids if i is not None)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Chat messages → prompt token ids, exactly as the model's chat template lays them out."""
+        return encode_chat(self.tokenizer, messages)
+
+    @property
+    def token_capacity(self) -> int:
+        return self.config.page_size * self.config.num_blocks
+
+    def submit(
+        self, request_id: str, input_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False
+    ) -> RequestHandle:
+        if not input_ids:
+            raise EngineError("the prompt is empty")
+        if max_new_tokens < 1:
+            raise EngineError("max_new_tokens must be at least 1")
+        needed = len(input_ids) + max_new_tokens
+        if needed > self.token_capacity:
+            raise EngineError(
+                f"the request needs {needed} tokens of KV cache but the whole cache holds {self.token_capacity}"
+            )
+        if self.manager is None or not self.manager.is_running():
+            raise EngineError("the engine is not running")
+        # A fresh engine id every time: Celery reuses a task id on retry, and a duplicate id would
+        # kill the manager's loop.
+        engine_id = f"{request_id}#{uuid.uuid4().hex[:8]}"
+        eos_ids = set(self.eos_ids_list())
+        handle = RequestHandle(self, request_id, engine_id, eos_ids)
+        with self._lock:
+            self._handles[engine_id] = handle
+            self._by_request[request_id] = engine_id
+        try:
+            added = self.manager.add_request(
+                list(input_ids),
+                request_id=engine_id,
+                max_new_tokens=max_new_tokens,
+                streaming=True,
+                eos_token_id=-1 if ignore_eos else sorted(eos_ids),
+            )
+        except queue.Full:
+            self._forget(engine_id)
+            raise EngineError("the engine's queue is full; try again in a moment") from None
+        if added is None:
+            self._forget(engine_id)
+            raise EngineError("the engine refused the request (it is stopping or restarting)")
+        return handle
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request at the next decode step; its handle receives a 'cancelled' end."""
+        with self._lock:
+            engine_id = self._by_request.get(request_id)
+            handle = self._handles.get(engine_id) if engine_id else None
+        if handle is None:
+            return False
+        self.manager.cancel_request(engine_id)
+        self._forget(engine_id)
+        handle.outputs.put(_CANCELLED)
+        return True
+
+    def _forget(self, engine_id: str) -> None:
+        with self._lock:
+            handle = self._handles.pop(engine_id, None)
+            if handle is not None and self._by_request.get(handle.request_id) == engine_id:
+                del self._by_request[handle.request_id]
+
+    # --- the pump: the only reader of the manager's output queue --------------------------------
+
+    def _pump(self) -> None:
+        while not self._stopping.is_set():
+            manager = self.manager
+            if not manager.is_running():
+                self._restart_after_crash()
+                continue
+            output = manager.get_result(timeout=0.1)
+            self._sample_batch()
+            if output is None:
+                continue
+            self._route(output)
+
+    def _route(self, output) -> None:
+        with self._lock:
+            handle = self._handles.get(output.request_id)
+        if handle is None:
+            return  # cancelled or already failed: nobody is listening
+        new = len(output.generated_tokens) - len(handle.tokens)
+        now = time.monotonic()
+        with self._lock:
+            self._tokens_generated += max(new, 0)
+            self._recent_tokens.append((now, max(new, 0)))
+        handle.outputs.put(output)
+        if output.is_finished():
+            self._requests_finished += 1
+            self._forget(output.request_id)
+
+    def _restart_after_crash(self) -> None:
+        if self._stopping.is_set():
+            return
+        log.error("The continuous-batching loop died; failing in-flight requests and restarting it")
+        self._fail_all("the engine restarted after an internal error")
+        self._restarts += 1
+        try:
+            self.manager.stop(block=True, timeout=2, hard_stop=True)
+        except Exception:  # noqa: BLE001 - the dead manager may fail in any way; we replace it
+            log.exception("stopping the dead manager failed")
+        self.manager = self._new_manager()
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            handles = list(self._handles.values())
+            self._handles.clear()
+            self._by_request.clear()
+        for handle in handles:
+            handle.outputs.put(_FailedOutput(handle.engine_id, handle.tokens, reason))
+
+    # --- stats ----------------------------------------------------------------------------------
+
+    def _sample_batch(self) -> None:
+        running, _ = scheduler_counts(self.manager)
+        if running > self._peak_running:
+            self._peak_running = running
+
+    def stats(self) -> EngineStats:
+        running, waiting = scheduler_counts(self.manager)
+        used, total = kv_block_usage(self.manager, self.config.num_blocks)
+        return EngineStats(
+            model=self.config.model_dir.name,
+            device=self.config.device,
+            running=running,
+            waiting=waiting,
+            kv_blocks_used=used,
+            kv_blocks_total=total,
+            tokens_generated=self._tokens_generated,
+            tokens_per_s=round(self._tokens_per_s(), 2),
+            requests_finished=self._requests_finished,
+            peak_running=self._peak_running,
+            restarts=self._restarts,
+        )
+
+    def _tokens_per_s(self, window_s: float = 10.0) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._recent_tokens and now - self._recent_tokens[0][0] > window_s:
+                self._recent_tokens.popleft()
+            total = sum(n for _, n in self._recent_tokens)
+        return total / window_s
+
+
+@dataclass
+class _FailedOutput:
+    """Stands in for a GenerationOutput when the engine itself fails a request."""
+
+    request_id: str
+    generated_tokens: list[int]
+    error: str
+
+    def is_finished(self) -> bool:
+        return True
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# --- transformers internals, read in one place so an upgrade breaks only here --------------------
+
+
+def scheduler_counts(manager) -> tuple[int, int]:
+    """(requests running, requests waiting). len() only: other threads must never iterate these."""
+    processor = getattr(manager, "batch_processor", None)
+    if processor is None:
+        return 0, 0
+    scheduler = processor.scheduler
+    return len(scheduler.active_requests), len(scheduler.waiting_requests)
+
+
+def kv_block_usage(manager, configured_blocks: int) -> tuple[int, int]:
+    """(KV blocks in use, KV blocks in total); before the first request the cache does not exist yet."""
+    processor = getattr(manager, "batch_processor", None)
+    if processor is None:
+        return 0, configured_blocks
+    cache = processor.cache
+    total = int(cache.num_blocks)
+    free_share = float(cache.compute_free_capacity(relative=True))
+    return max(0, round(total * (1.0 - free_share))), total
+
+
+# --- the one engine of this process ---------------------------------------------------------------
+
+_engine: Engine | None = None
+_engine_lock = threading.Lock()
+
+
+def get_engine() -> Engine:
+    """The process's engine, loaded and started on first use (normally at worker start)."""
+    global _engine
+    with _engine_lock:
+        if _engine is None:
+            from .modelfiles import model_dir
+
+            engine = Engine(EngineConfig.from_settings(model_dir(progress=log.info)))
+            engine.load(progress=log.info)
+            engine.start()
+            _engine = engine
+            _stop_engine_at_exit()
+        return _engine
+
+
+def _stop_engine_at_exit() -> None:
+    # The manager's generation thread is not a daemon, so a plain atexit hook would never run:
+    # Python joins non-daemon threads first. threading's own pre-join hook (what
+    # concurrent.futures uses) lets the process exit cleanly.
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(shutdown_engine)
+
+
+def engine_if_started() -> Engine | None:
+    return _engine
+
+
+def shutdown_engine() -> None:
+    global _engine
+    with _engine_lock:
+        if _engine is not None:
+            _engine.stop()
+            _engine = None

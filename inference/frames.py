@@ -1,0 +1,102 @@
+"""Client → server websocket frames: parsed and validated before any expensive work."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from django.conf import settings
+
+ROLES = ("system", "user", "assistant")
+
+
+class FrameError(ValueError):
+    """A frame we cannot act on; code and message go back to the client in an `error` frame."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ChatFrame:
+    feature: str
+    messages: list[dict]
+    max_tokens: int
+    loop_id: str | None = None
+
+
+@dataclass(frozen=True)
+class CancelFrame:
+    pass
+
+
+def parse_frame(text: str | None) -> ChatFrame | CancelFrame:
+    if text is None:
+        raise FrameError("bad_frame", "Send text frames containing JSON; binary frames are not accepted.")
+    size = len(text.encode("utf-8", errors="surrogatepass"))
+    if size > settings.CEILING_MAX_FRAME_BYTES:
+        raise FrameError(
+            "frame_too_large",
+            f"The message is {size:,} bytes; the limit is {settings.CEILING_MAX_FRAME_BYTES:,} bytes.",
+        )
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise FrameError("bad_json", "The frame is not valid JSON.") from None
+    if not isinstance(data, dict):
+        raise FrameError("bad_frame", "The frame must be a JSON object with a \"type\".")
+    kind = data.get("type")
+    if kind == "cancel":
+        return CancelFrame()
+    if kind == "chat":
+        return _parse_chat(data)
+    raise FrameError("unknown_type", f"Unknown frame type {kind!r}; expected \"chat\" or \"cancel\".")
+
+
+def _parse_chat(data: dict) -> ChatFrame:
+    feature = data.get("feature", "chat")
+    if not isinstance(feature, str) or not feature:
+        raise FrameError("bad_feature", "\"feature\" must be the name of a feature, such as \"chat\".")
+    loop_id = data.get("loop_id")
+    if loop_id is not None and (not isinstance(loop_id, str) or not 0 < len(loop_id) <= 64):
+        raise FrameError("bad_loop_id", "\"loop_id\" must be a string of 1 to 64 characters.")
+    return ChatFrame(
+        feature=feature,
+        messages=_parse_messages(data.get("messages")),
+        max_tokens=_parse_max_tokens(data.get("max_tokens", settings.CEILING_DEFAULT_MAX_TOKENS)),
+        loop_id=loop_id,
+    )
+
+
+def _parse_messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise FrameError("bad_messages", "\"messages\" must be a non-empty list of {role, content} objects.")
+    if len(messages) > settings.CEILING_MAX_MESSAGES:
+        raise FrameError(
+            "bad_messages", f"{len(messages)} messages is too many; the limit is {settings.CEILING_MAX_MESSAGES}."
+        )
+    cleaned = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise FrameError("bad_messages", f"Message {index + 1} is not an object with role and content.")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise FrameError("bad_role", f"Message {index + 1} has role {role!r}; use one of {', '.join(ROLES)}.")
+        if not isinstance(content, str) or not content.strip():
+            raise FrameError("empty_content", f"Message {index + 1} has no text content.")
+        cleaned.append({"role": role, "content": content})
+    if cleaned[-1]["role"] != "user":
+        raise FrameError("bad_role", "The last message must come from the user.")
+    return cleaned
+
+
+def _parse_max_tokens(value) -> int:
+    limit = settings.CEILING_MAX_TOKENS_LIMIT
+    # bool is an int in Python; true/false is never a token count.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FrameError("bad_max_tokens", f"\"max_tokens\" must be a whole number from 1 to {limit}.")
+    if not 1 <= value <= limit:
+        raise FrameError("bad_max_tokens", f"\"max_tokens\" is {value}; it must be from 1 to {limit}.")
+    return value

@@ -1,0 +1,137 @@
+"""Run one admitted request through the engine and stream it to its channel-layer group.
+
+Called by the Celery task with a request id. The ledger is settled here, before the final frame
+is sent, so it never depends on the channel layer (which is at-most-once).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from django.conf import settings
+from django.utils import timezone
+
+from budgets.models import TokenLog
+
+from . import bus
+from .actions import do_finish_request
+from .engine import FINISH_CANCELLED, FINISH_ERROR, EngineError, get_engine
+
+log = logging.getLogger(__name__)
+
+
+class IncrementalDecoder:
+    """Token ids → text pieces, holding back an incomplete UTF-8 character until it completes."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        text = self.text()
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.sent = text[self.sent :], len(text)
+        return piece
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+
+def run_generation(request_id: str) -> None:
+    log_row = TokenLog.objects.select_related("transcript").filter(request_id=request_id).first()
+    if log_row is None:
+        log.warning("generate: unknown request %s", request_id)
+        return
+    if log_row.status != TokenLog.Status.RUNNING:
+        return  # settled already: a redelivered task changes nothing
+    group = bus.request_group(request_id)
+    if bus.is_cancel_requested(request_id):
+        _finish(log_row, group, [], "", FINISH_CANCELLED, None)
+        return
+    engine = get_engine()
+    prompt_ids = log_row.transcript.prompt_ids
+    try:
+        handle = engine.submit(request_id, prompt_ids, log_row.max_tokens)
+    except EngineError as exc:
+        _finish(log_row, group, [], "", FINISH_ERROR, None, error=str(exc))
+        return
+    if bus.is_cancel_requested(request_id):  # the cancel may have landed between the check and submit
+        engine.cancel(request_id)
+    _stream(engine, handle, log_row, group)
+
+
+def _stream(engine, handle, log_row: TokenLog, group: str) -> None:
+    sender = bus.channel_sender()
+    decoder = IncrementalDecoder(engine.tokenizer)
+    deadline = time.monotonic() + settings.CEILING_TOTAL_TIMEOUT_S
+    ttft_ms = None
+    seq = 0
+    finish_reason, error = FINISH_ERROR, ""
+    try:
+        for event in handle.events(timeout=settings.CEILING_FIRST_TOKEN_TIMEOUT_S):
+            if event.new_tokens and ttft_ms is None:
+                ttft_ms = _ms_since(log_row.created_at)
+            piece = decoder.push(event.new_tokens)
+            if piece:
+                sender.group_send(group, {"type": "chat.token", "request_id": log_row.request_id, "text": piece, "seq": seq})
+                seq += 1
+            if event.finished:
+                finish_reason, error = event.finish_reason, event.error or ""
+                break
+            if time.monotonic() > deadline:
+                engine.cancel(log_row.request_id)
+                error = f"the answer took longer than {settings.CEILING_TOTAL_TIMEOUT_S:.0f} s"
+    except EngineError as exc:
+        error = str(exc)
+    if error and finish_reason == FINISH_CANCELLED:
+        finish_reason = FINISH_ERROR  # our own deadline cancelled it: that is a failure, not the user's cancel
+    _finish(log_row, group, handle.tokens, decoder.text(), finish_reason, ttft_ms, error=error)
+
+
+def _finish(
+    log_row: TokenLog,
+    group: str,
+    completion_ids: list[int],
+    text: str,
+    finish_reason: str,
+    ttft_ms: int | None,
+    error: str = "",
+) -> None:
+    status = {
+        FINISH_CANCELLED: TokenLog.Status.CANCELLED,
+        FINISH_ERROR: TokenLog.Status.FAILED,
+    }.get(finish_reason, TokenLog.Status.OK)
+    settled = do_finish_request(
+        log_row.request_id,
+        status=status,
+        prompt_tokens=log_row.prompt_tokens,
+        completion_ids=completion_ids,
+        text=text,
+        finish_reason="" if status == TokenLog.Status.FAILED else finish_reason,
+        ttft_ms=ttft_ms,
+        error=error,
+    )
+    if settled is None:
+        return
+    sender = bus.channel_sender()
+    if status == TokenLog.Status.FAILED:
+        message = {"type": "chat.failed", "request_id": settled.request_id, "code": "engine_failed", "message": f"The model could not finish this answer: {error}."}
+    else:
+        message = {
+            "type": "chat.done",
+            "request_id": settled.request_id,
+            "usage": settled.usage(),
+            "cost_usd": settled.cost_usd,
+            "ttft_ms": settled.ttft_ms,
+            "total_ms": settled.total_ms,
+            "finish_reason": settled.finish_reason,
+        }
+    sender.group_send(group, message)
+
+
+def _ms_since(moment) -> int:
+    return max(0, int((timezone.now() - moment).total_seconds() * 1000))

@@ -1,0 +1,70 @@
+"""`make run`: everything Ceiling needs on one machine, stopped together with Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError
+
+from project import stack
+
+
+class Command(BaseCommand):
+    help = "Start Redis (if needed), daphne and one Celery inference worker; Ctrl-C stops them all."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument("--concurrency", type=int, default=32, help="chats one worker streams at once")
+
+    def handle(self, *args, host: str, port: int, concurrency: int, **options) -> None:
+        if concurrency < 1:
+            raise CommandError("--concurrency must be at least 1")
+        if stack.port_answers(host, port):
+            raise CommandError(f"Something already listens on {host}:{port}; stop it or pass --port.")
+        processes: list[subprocess.Popen] = []
+        try:
+            redis_url = self.ensure_redis(processes)
+            self.prepare_model()
+            env = stack.child_env(REDIS_URL=redis_url)
+            self.stdout.write("Starting the Celery inference worker (loads the model)…")
+            processes.append(subprocess.Popen(stack.worker_argv(concurrency), env=env))
+            self.stdout.write(f"Starting daphne on {host}:{port}…")
+            processes.append(subprocess.Popen(stack.daphne_argv(host, port), env=env))
+            stack.wait_until(lambda: stack.port_answers(host, port), timeout=60, what="daphne")
+            self.stdout.write(self.style.SUCCESS(f"\nCeiling is running: http://{host}:{port}/  (Ctrl-C stops it)\n"))
+            self.wait_for_exit(processes)
+        finally:
+            self.stdout.write("Stopping…")
+            stack.stop_all(processes)
+
+    def ensure_redis(self, processes: list[subprocess.Popen]) -> str:
+        if stack.redis_answers(settings.REDIS_URL):
+            self.stdout.write(f"Using the Redis at {settings.REDIS_URL}")
+            return settings.REDIS_URL
+        self.stdout.write(f"No Redis answers at {settings.REDIS_URL}; starting a private one under var/")
+        process, url = stack.start_private_redis(settings.VAR_DIR)
+        processes.append(process)
+        return url
+
+    def prepare_model(self) -> None:
+        from inference.modelfiles import model_dir
+
+        folder = model_dir(progress=self.stdout.write)
+        self.stdout.write(f"Model files: {folder}")
+
+    def wait_for_exit(self, processes: list[subprocess.Popen]) -> None:
+        stopping = []
+        signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+        try:
+            while not stopping:
+                for process in processes:
+                    if process.poll() is not None:
+                        raise CommandError(f"{' '.join(process.args[:4])}… exited with code {process.returncode}")
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass

@@ -1,0 +1,62 @@
+"""Celery tasks of the "inference" queue, and the hooks that give each worker process its engine."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from celery import shared_task
+from celery.signals import worker_init, worker_shutdown
+from django.conf import settings
+
+from . import bus
+from .engine import get_engine, shutdown_engine
+from .generation import run_generation
+
+log = logging.getLogger(__name__)
+
+_stop_services = threading.Event()
+
+
+@shared_task(
+    name="inference.generate",
+    queue="inference",
+    ignore_result=True,
+    # Celery enforces these only in the prefork pool; run_generation keeps its own deadline
+    # (CEILING_TOTAL_TIMEOUT_S) so the thread pool we use is bounded too.
+    time_limit=settings.CEILING_TASK_TIME_LIMIT_S,
+    soft_time_limit=settings.CEILING_TASK_TIME_LIMIT_S - 10,
+    # Not retried: a generation streams to a live user; a rerun would stream the answer twice.
+    acks_late=False,
+)
+def generate(request_id: str) -> None:
+    run_generation(request_id)
+
+
+@worker_init.connect
+def start_engine_with_worker(**_: object) -> None:
+    """One engine per worker process, loaded before the worker takes its first task."""
+    if not settings.CEILING_ENGINE_AUTOSTART:
+        return
+    start_worker_services()
+
+
+def start_worker_services() -> None:
+    engine = get_engine()
+    _stop_services.clear()
+    threading.Thread(
+        target=bus.listen_for_cancellations, args=(engine.cancel, _stop_services), name="cancel-listener", daemon=True
+    ).start()
+    threading.Thread(
+        target=bus.publish_stats_forever,
+        args=(lambda: engine.stats().as_dict(), _stop_services),
+        name="stats-publisher",
+        daemon=True,
+    ).start()
+    log.info("engine ready: %s", engine.stats().as_dict())
+
+
+@worker_shutdown.connect
+def stop_engine_with_worker(**_: object) -> None:
+    _stop_services.set()
+    shutdown_engine()

@@ -1,0 +1,242 @@
+"""Ceiling settings, read from the environment.
+
+Every value comes from an environment variable through a small typed helper that raises
+ImproperlyConfigured on nonsense, so a typo fails at start-up instead of at 3 a.m.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def envstr(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def envbool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ImproperlyConfigured(f"{name}={raw!r} is not a boolean (use true/false, 1/0, yes/no, on/off)")
+
+
+def envint(name: str, default: int, *, minimum: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not an integer") from None
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{name}={value} is below the minimum of {minimum}")
+    return value
+
+
+def envfloat(name: str, default: float, *, minimum: float | None = None) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not a number") from None
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{name}={value} is below the minimum of {minimum}")
+    return value
+
+
+def envlist(name: str, default: list[str]) -> list[str]:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def database_from_url(url: str) -> dict:
+    """DATABASE_URL → Django DATABASES entry. sqlite:///relative/or//absolute, postgres://..."""
+    parsed = urlparse(url)
+    if parsed.scheme == "sqlite":
+        path = unquote(parsed.path[1:] if parsed.path.startswith("/") else parsed.path)
+        if not path:
+            raise ImproperlyConfigured(f"DATABASE_URL={url!r} names no SQLite file")
+        return {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": path if os.path.isabs(path) else str(BASE_DIR / path),
+            "OPTIONS": {"timeout": 20},
+        }
+    if parsed.scheme in ("postgres", "postgresql", "pgsql"):
+        name = unquote(parsed.path.lstrip("/"))
+        if not name:
+            raise ImproperlyConfigured(f"DATABASE_URL={url!r} names no database")
+        return {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": name,
+            "USER": unquote(parsed.username or "postgres"),
+            "PASSWORD": unquote(parsed.password or ""),
+            "HOST": parsed.hostname or "",
+            "PORT": str(parsed.port or ""),
+            "CONN_MAX_AGE": 0,
+            "TEST": {"NAME": f"test_{name}"},
+        }
+    raise ImproperlyConfigured(f"DATABASE_URL={url!r}: unsupported scheme {parsed.scheme!r} (use sqlite or postgres)")
+
+
+def celery_url_from_redis_url(url: str) -> str:
+    """Kombu spells a unix-socket Redis as redis+socket:///path; redis-py spells it unix:///path."""
+    if url.startswith("unix://"):
+        return "redis+socket://" + url[len("unix://") :]
+    return url
+
+
+def check_redis_url(url: str) -> str:
+    if urlparse(url).scheme not in ("redis", "rediss", "unix"):
+        raise ImproperlyConfigured(f"REDIS_URL={url!r} must start with redis://, rediss:// or unix://")
+    return url
+
+
+DEBUG = envbool("DEBUG", False)
+SECRET_KEY = os.environ.get("SECRET_KEY", "")
+if not SECRET_KEY:
+    if not DEBUG and not envbool("CEILING_INSECURE_DEV_KEY", True):
+        raise ImproperlyConfigured("SECRET_KEY must be set")
+    # Local development and tests only: a fixed key is fine on 127.0.0.1, never in production.
+    SECRET_KEY = "ceiling-dev-key-not-for-production"
+ALLOWED_HOSTS = envlist("ALLOWED_HOSTS", ["127.0.0.1", "localhost"])
+CSRF_TRUSTED_ORIGINS = envlist("CSRF_TRUSTED_ORIGINS", [])
+
+VAR_DIR = Path(envstr("CEILING_VAR_DIR", str(BASE_DIR / "var")))
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "accounts",
+    "budgets",
+    "inference",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "project.urls"
+ASGI_APPLICATION = "project.asgi.application"
+WSGI_APPLICATION = None
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {"default": database_from_url(envstr("DATABASE_URL", f"sqlite:///{VAR_DIR / 'ceiling.sqlite3'}"))}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/chat/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = envstr("TIME_ZONE", "UTC")
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = VAR_DIR / "static"
+
+# --- Redis: Celery broker, channel layer, engine stats, cancellation ------------------------
+REDIS_URL = check_redis_url(envstr("REDIS_URL", "redis://127.0.0.1:6379/0"))
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {
+            "hosts": [REDIS_URL],
+            "prefix": envstr("CEILING_CHANNEL_PREFIX", "ceiling"),
+            # A streaming chat sends many small messages; the default capacity of 100 per channel
+            # would drop tokens for a slow reader.
+            "capacity": 1000,
+            "expiry": 60,
+        },
+    }
+}
+
+CELERY_BROKER_URL = celery_url_from_redis_url(REDIS_URL)
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ROUTES = {"inference.tasks.*": {"queue": "inference"}}
+CELERY_TASK_DEFAULT_QUEUE = "default"
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+# --- The engine ------------------------------------------------------------------------------
+CEILING_MODEL = envstr("CEILING_MODEL", "")  # a local transformers folder; empty → the bundled SmolLM2
+CEILING_MODEL_NAME = envstr("CEILING_MODEL_NAME", "SmolLM2-135M-Instruct")
+CEILING_DEVICE = envstr("CEILING_DEVICE", "")  # "cpu", "cuda"; empty → cuda when available
+CEILING_TORCH_THREADS = envint("CEILING_TORCH_THREADS", 2, minimum=1)
+CEILING_KV_PAGE_SIZE = envint("CEILING_KV_PAGE_SIZE", 32, minimum=1)
+CEILING_KV_BLOCKS = envint("CEILING_KV_BLOCKS", 512, minimum=8)
+CEILING_MAX_BATCH_TOKENS = envint("CEILING_MAX_BATCH_TOKENS", 512, minimum=16)
+CEILING_PREFIX_SHARING = envbool("CEILING_PREFIX_SHARING", True)
+# Start the engine in every Celery worker process that consumes the "inference" queue.
+CEILING_ENGINE_AUTOSTART = envbool("CEILING_ENGINE_AUTOSTART", True)
+
+# --- Requests --------------------------------------------------------------------------------
+CEILING_MAX_FRAME_BYTES = envint("CEILING_MAX_FRAME_BYTES", 64 * 1024, minimum=1024)
+CEILING_DEFAULT_MAX_TOKENS = envint("CEILING_DEFAULT_MAX_TOKENS", 256, minimum=1)
+CEILING_MAX_TOKENS_LIMIT = envint("CEILING_MAX_TOKENS_LIMIT", 1024, minimum=1)
+CEILING_MAX_INPUT_TOKENS = envint("CEILING_MAX_INPUT_TOKENS", 2048, minimum=1)
+CEILING_MAX_MESSAGES = envint("CEILING_MAX_MESSAGES", 64, minimum=1)
+# Layered timeouts: the first token must arrive within FIRST_TOKEN, the whole answer within TOTAL.
+CEILING_FIRST_TOKEN_TIMEOUT_S = envfloat("CEILING_FIRST_TOKEN_TIMEOUT_S", 60.0, minimum=0.1)
+CEILING_TOTAL_TIMEOUT_S = envfloat("CEILING_TOTAL_TIMEOUT_S", 300.0, minimum=0.1)
+# Celery's hard limit sits above the consumer's total timeout so the consumer speaks first.
+CEILING_TASK_TIME_LIMIT_S = envint("CEILING_TASK_TIME_LIMIT_S", 330, minimum=1)
+
+EMAIL_BACKEND = envstr("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": envstr("LOG_LEVEL", "INFO")},
+    "loggers": {"daphne": {"level": "WARNING"}, "django.channels.server": {"level": "WARNING"}},
+}

@@ -1,0 +1,142 @@
+// The chat page: one websocket, the conversation kept in the page, model output inserted as text.
+(function () {
+  "use strict";
+  const config = JSON.parse(document.getElementById("chat-config").textContent);
+  const transcript = document.getElementById("transcript");
+  const statusLine = document.getElementById("status");
+  const form = document.getElementById("composer");
+  const prompt = document.getElementById("prompt");
+  const featureSelect = document.getElementById("feature");
+  const maxTokens = document.getElementById("max-tokens");
+  const sendButton = document.getElementById("send");
+  const cancelButton = document.getElementById("cancel");
+
+  const history = [];
+  let socket = null;
+  let current = null; // {item, text} of the answer being streamed
+
+  for (const name of config.features) {
+    const option = document.createElement("option");
+    option.value = name;
+    option.textContent = name;
+    featureSelect.appendChild(option);
+  }
+  maxTokens.value = config.default_max_tokens;
+  maxTokens.max = config.max_tokens_limit;
+
+  function addItem(role, text) {
+    const item = document.createElement("li");
+    item.className = role;
+    item.textContent = text; // never innerHTML: model output is text
+    transcript.appendChild(item);
+    item.scrollIntoView({ block: "end" });
+    return item;
+  }
+
+  function addMeta(item, text) {
+    const meta = document.createElement("span");
+    meta.className = "meta";
+    meta.textContent = text;
+    item.appendChild(meta);
+  }
+
+  function setBusy(busy) {
+    sendButton.disabled = busy || !socket || socket.readyState !== WebSocket.OPEN;
+    cancelButton.disabled = !busy;
+  }
+
+  function connect() {
+    const scheme = location.protocol === "https:" ? "wss" : "ws";
+    socket = new WebSocket(`${scheme}://${location.host}/ws/chat/`);
+    socket.addEventListener("open", () => {
+      statusLine.textContent = "Connected.";
+      setBusy(false);
+    });
+    socket.addEventListener("close", () => {
+      statusLine.textContent = "Disconnected; reconnecting…";
+      if (current) finishAnswer("(connection lost)");
+      setBusy(false);
+      setTimeout(connect, 2000);
+    });
+    socket.addEventListener("message", (event) => handle(JSON.parse(event.data)));
+  }
+
+  function handle(frame) {
+    switch (frame.type) {
+      case "accepted":
+        statusLine.textContent = `Thinking… (${frame.prompt_tokens} prompt tokens, up to ${frame.max_tokens} new)`;
+        current = { item: addItem("assistant", ""), text: "" };
+        break;
+      case "token":
+        if (!current) return;
+        current.text += frame.text;
+        current.item.textContent = current.text;
+        break;
+      case "done":
+        history.push({ role: "assistant", content: current ? current.text : "" });
+        finishAnswer(
+          `${frame.usage.completion_tokens} tokens · first token ${frame.ttft_ms} ms · total ${frame.total_ms} ms · ${frame.finish_reason}`
+        );
+        statusLine.textContent = "Ready.";
+        break;
+      case "refused":
+        history.pop();
+        addItem("notice", frame.message);
+        statusLine.textContent = "Refused.";
+        setBusy(false);
+        break;
+      case "error":
+        if (current) {
+          finishAnswer(frame.message);
+        } else {
+          addItem("notice", frame.message);
+          setBusy(false);
+        }
+        history.pop();
+        statusLine.textContent = "Ready.";
+        break;
+    }
+  }
+
+  function finishAnswer(meta) {
+    if (current) addMeta(current.item, meta);
+    current = null;
+    setBusy(false);
+  }
+
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    const text = prompt.value.trim();
+    if (!text || !socket || socket.readyState !== WebSocket.OPEN) return;
+    history.push({ role: "user", content: text });
+    addItem("user", text);
+    prompt.value = "";
+    setBusy(true);
+    socket.send(
+      JSON.stringify({
+        type: "chat",
+        feature: featureSelect.value,
+        messages: history,
+        max_tokens: parseInt(maxTokens.value, 10) || config.default_max_tokens,
+      })
+    );
+  });
+
+  prompt.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey) {
+      event.preventDefault();
+      form.requestSubmit();
+    }
+  });
+
+  cancelButton.addEventListener("click", () => {
+    if (socket && socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify({ type: "cancel" }));
+    if (current) {
+      history.push({ role: "assistant", content: current.text });
+      finishAnswer("(stopped)");
+    }
+  });
+
+  setBusy(false);
+  connect();
+})();
