@@ -187,7 +187,9 @@ CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
         "CONFIG": {
-            "hosts": [REDIS_URL],
+            # redis-py 8 reads with a 5 s socket timeout by default, which aborts channels_redis's
+            # blocking BZPOPMIN (itself 5 s) and tears consumers down; allow the read to outlast it.
+            "hosts": [{"address": REDIS_URL, "socket_timeout": 30, "socket_connect_timeout": 5}],
             "prefix": envstr("CEILING_CHANNEL_PREFIX", "ceiling"),
             # A streaming chat sends many small messages; the default capacity of 100 per channel
             # would drop tokens for a slow reader.

@@ -60,6 +60,7 @@ class Command(BaseCommand):
     def wait_for_exit(self, processes: list[subprocess.Popen]) -> None:
         stopping = []
         signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # even if our parent ignored it
         try:
             while not stopping:
                 for process in processes:

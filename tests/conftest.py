@@ -1,0 +1,142 @@
+"""The shared cast and the real stack: PostgreSQL, Redis, a Celery worker and daphne, as processes.
+
+The worker and daphne are started with the same command lines `make run` uses (project/stack.py),
+pointed at pytest's test database. Tests that talk to them use `transactional_db`, so what they
+write is committed and visible to those processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+from django.conf import settings
+
+from project import stack
+
+LOG_DIR = Path(settings.BASE_DIR) / "var" / "test-logs"
+WORKER_CONCURRENCY = 16
+
+
+@dataclass
+class Stack:
+    host: str
+    port: int
+    daphne_log: Path
+    worker_log: Path
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://{self.host}:{self.port}/ws/chat/"
+
+    def daphne_output(self) -> str:
+        return self.daphne_log.read_text(errors="replace")
+
+    def worker_output(self) -> str:
+        return self.worker_log.read_text(errors="replace")
+
+
+def _test_database_url() -> str:
+    db = settings.DATABASES["default"]
+    if db["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{db['NAME']}"
+    auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
+    return f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+@pytest.fixture(scope="session")
+def redis_db():
+    """The Redis database the suite owns (REDIS_URL, db 15 under `make test`), emptied once per run."""
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def live_stack(django_db_setup, redis_db) -> Stack:
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    port = stack.free_port()
+    env = stack.child_env(
+        DATABASE_URL=_test_database_url(),
+        REDIS_URL=settings.REDIS_URL,
+        # Short enough that a broken test fails fast, long enough for a loaded 2-core machine.
+        CEILING_FIRST_TOKEN_TIMEOUT_S="60",
+    )
+    env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+    daphne_log, worker_log = LOG_DIR / "daphne.log", LOG_DIR / "worker.log"
+    processes = [
+        subprocess.Popen(stack.worker_argv(WORKER_CONCURRENCY, "test-inference@%h"), env=env, stdout=worker_log.open("w"), stderr=subprocess.STDOUT),
+        subprocess.Popen(stack.daphne_argv("127.0.0.1", port), env=env, stdout=daphne_log.open("w"), stderr=subprocess.STDOUT),
+    ]
+    try:
+        stack.wait_until(lambda: stack.port_answers("127.0.0.1", port), timeout=60, what="daphne")
+        stack.wait_until(lambda: bool(engine_stats(redis_db)), timeout=180, what="the worker's engine")
+        yield Stack("127.0.0.1", port, daphne_log, worker_log)
+    finally:
+        stack.stop_all(processes)
+
+
+def engine_stats(client: redis.Redis) -> list[dict]:
+    keys = list(client.scan_iter(match="ceiling:engine:*"))
+    return [json.loads(raw) for raw in client.mget(keys) if raw] if keys else []
+
+
+def wait_for(check, timeout: float = 30.0, every: float = 0.05):
+    """Poll check() until it returns something truthy; return that, or fail the test."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    pytest.fail(f"condition not met within {timeout} s")
+
+
+# --- the cast -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def chat_feature(transactional_db):
+    from budgets.models import Feature
+
+    return Feature.objects.create(name="chat", description="Chat with the model")
+
+
+@pytest.fixture
+def alice(transactional_db):
+    from django.contrib.auth.models import User
+
+    return User.objects.create_user("alice", password="alice-password-1")
+
+
+@pytest.fixture
+def staff(transactional_db):
+    from django.contrib.auth.models import User
+
+    return User.objects.create_user("staff", password="staff-password-1", is_staff=True)
+
+
+def session_cookie(user) -> str:
+    from django.test import Client
+
+    client = Client()
+    client.force_login(user)
+    return client.cookies[settings.SESSION_COOKIE_NAME].value
+
+
+@pytest.fixture(autouse=True)
+def _no_async_unsafe_leak():
+    # Playwright's sync API runs an event loop in the test thread; only the browser tests opt in.
+    yield
+    os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
