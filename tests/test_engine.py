@@ -1,0 +1,146 @@
+"""The continuous-batching engine: same tokens as greedy generate, validation, cancel, stats."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import torch
+
+from budgets.models import TokenLog
+from inference.actions import do_open_request
+from inference.engine import Engine, EngineConfig, EngineError
+from inference.modelfiles import model_dir
+from inference.tasks import generate
+from tests.conftest import wait_for
+
+PROMPTS = [
+    "Hi!",
+    "What is the capital of Italy?",
+    "Write two sentences about why cats like boxes, and mention cardboard.",
+    "List three primary colours. Then explain, in a short paragraph, how mixing them gives other colours "
+    "and why printers use cyan, magenta and yellow instead.",
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = Engine(EngineConfig(model_dir=model_dir(), num_blocks=64))
+    engine.load(progress=lambda _: None)
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def reference_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir()), dtype=torch.float32).eval()
+
+
+def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        output = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids, pad_token_id=eos_ids[0]
+        )
+    return output[0, len(prompt_ids) :].tolist()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_four_prompts_batched_in_the_worker_match_greedy_generate_alone(live_stack, engine, reference_model, alice, chat_feature):
+    request_ids = []
+    for prompt in PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        request_id = uuid.uuid4().hex
+        do_open_request(
+            request_id=request_id, user=alice, feature=chat_feature, model="test", messages=messages,
+            prompt_ids=engine.encode_chat(messages), max_tokens=40,
+        )
+        request_ids.append(request_id)
+    for request_id in request_ids:  # submitted together: all four share the running batch
+        generate.delay(request_id)
+
+    def all_settled():
+        logs = list(TokenLog.objects.filter(request_id__in=request_ids).exclude(status=TokenLog.Status.RUNNING))
+        return logs if len(logs) == len(request_ids) else None
+
+    wait_for(all_settled, timeout=120)
+    eos_ids = engine.eos_ids_list()
+    for request_id in request_ids:
+        log = TokenLog.objects.select_related("transcript").get(request_id=request_id)
+        assert log.status == TokenLog.Status.OK
+        expected = greedy_generate(reference_model, log.transcript.prompt_ids, 40, eos_ids)
+        assert log.transcript.completion_ids == expected
+
+
+def _read_all(handle) -> tuple[list[int], str]:
+    tokens, reason = [], None
+    for event in handle.events(timeout=60):
+        tokens += event.new_tokens
+        reason = event.finish_reason
+    return tokens, reason
+
+
+def test_engine_streams_concurrent_requests_identical_to_generate(engine, reference_model):
+    prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    handles = [engine.submit(f"cmp-{i}", ids, 24) for i, ids in enumerate(prompts)]
+    results = {}
+    threads = [threading.Thread(target=lambda h=h: results.__setitem__(h.request_id, _read_all(h))) for h in handles]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for i, ids in enumerate(prompts):
+        tokens, reason = results[f"cmp-{i}"]
+        assert tokens == greedy_generate(reference_model, ids, 24, engine.eos_ids_list())
+        assert reason in ("stop", "length")
+        assert reason == ("stop" if tokens[-1] in engine.eos_ids_list() else "length")
+
+
+def test_max_new_tokens_is_honoured_with_eos_ignored(engine):
+    handle = engine.submit("fixed", engine.encode_chat([{"role": "user", "content": "Hi"}]), 7, ignore_eos=True)
+    tokens, reason = _read_all(handle)
+    assert len(tokens) == 7 and reason == "length"
+
+
+def test_cancel_ends_the_stream_and_frees_the_batch(engine):
+    handle = engine.submit("to-cancel", engine.encode_chat([{"role": "user", "content": "Tell a long story."}]), 500)
+    events = handle.events(timeout=60)
+    first = next(events)
+    assert first.new_tokens
+    assert engine.cancel("to-cancel")
+    rest = list(events)
+    assert rest[-1].finished and rest[-1].finish_reason == "cancelled"
+    wait_for(lambda: engine.stats().running == 0, timeout=5)
+
+
+def test_cancelling_an_unknown_request_is_harmless(engine):
+    assert engine.cancel("never-submitted") is False
+
+
+@pytest.mark.parametrize(
+    ("prompt_ids", "max_new_tokens", "message"),
+    [([], 8, "empty"), ([1, 2, 3], 0, "at least 1"), ([1] * 2040, 100, "KV cache")],
+)
+def test_requests_that_would_kill_the_loop_are_refused_up_front(engine, prompt_ids, max_new_tokens, message):
+    with pytest.raises(EngineError, match=message):
+        engine.submit("bad", prompt_ids, max_new_tokens)
+    # The manager is still alive and serving.
+    tokens, _ = _read_all(engine.submit("after-bad", engine.encode_chat([{"role": "user", "content": "Hi"}]), 3))
+    assert tokens
+
+
+def test_stats_report_batch_cache_and_throughput(engine):
+    handle = engine.submit("stats", engine.encode_chat([{"role": "user", "content": "Count to ten."}]), 20, ignore_eos=True)
+    events = handle.events(timeout=60)
+    next(events)
+    during = engine.stats()
+    list(events)
+    after = engine.stats()
+    assert during.running == 1 and during.kv_blocks_used >= 1
+    assert during.kv_blocks_total == 64
+    assert after.tokens_generated >= during.tokens_generated + 1
+    assert after.tokens_per_s > 0
+    assert after.requests_finished >= 1
