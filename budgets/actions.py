@@ -19,28 +19,6 @@ class Usage:
     cost_micro_usd: int = 0
 
 
-def do_open_log(
-    *,
-    request_id: str,
-    user: AbstractBaseUser,
-    feature: Feature,
-    model: str,
-    prompt_tokens: int,
-    max_tokens: int,
-) -> TokenLog:
-    """The row of an admitted request, status running, settled later by do_record_usage."""
-    return TokenLog.objects.create(
-        request_id=request_id,
-        user=user,
-        feature=feature,
-        model=model,
-        status=TokenLog.Status.RUNNING,
-        prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens,
-        created_at=timezone.now(),
-    )
-
-
 def do_log_refusal(
     *,
     request_id: str,

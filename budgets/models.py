@@ -7,6 +7,72 @@ from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
 
 
+class Period(models.TextChoices):
+    DAY = "day"
+    MONTH = "month"
+
+
+def default_thresholds() -> list[int]:
+    return [50, 80, 100]
+
+
+class Provider(models.Model):
+    """Where a model runs: the local engine, or a remote OpenAI-compatible server. Has a monthly spend limit."""
+
+    class Kind(models.TextChoices):
+        LOCAL = "local"
+        OPENAI_COMPATIBLE = "openai-compatible"
+
+    name = models.CharField(max_length=64, unique=True)
+    kind = models.CharField(max_length=32, choices=Kind.choices, default=Kind.LOCAL)
+    monthly_limit_micro_usd = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="Monthly spend limit in micro-dollars; empty means no limit."
+    )
+    alert_thresholds = models.JSONField(default=default_thresholds, help_text="Percentages of the monthly limit.")
+    alert_recipients = models.TextField(blank=True, help_text="Comma-separated email addresses.")
+
+    def __str__(self) -> str:
+        return self.name
+
+    def recipients(self) -> list[str]:
+        return [address.strip() for address in self.alert_recipients.split(",") if address.strip()]
+
+    @classmethod
+    def default(cls) -> Provider:
+        provider, _ = cls.objects.get_or_create(name="local", defaults={"kind": cls.Kind.LOCAL})
+        return provider
+
+
+class ModelPrice(models.Model):
+    """Prices per million tokens, in micro-dollars, from a moment on. Old rows stay: history is kept."""
+
+    provider = models.ForeignKey(Provider, on_delete=models.CASCADE, related_name="prices")
+    model = models.CharField(max_length=200)
+    input_per_million_micro_usd = models.PositiveBigIntegerField(default=0)
+    output_per_million_micro_usd = models.PositiveBigIntegerField(default=0)
+    cached_input_per_million_micro_usd = models.PositiveBigIntegerField(default=0)
+    effective_from = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["provider", "model", "effective_from"], name="one_price_per_moment")
+        ]
+        indexes = [models.Index(fields=["provider", "model", "-effective_from"])]
+
+    def __str__(self) -> str:
+        return f"{self.provider}/{self.model} from {self.effective_from:%Y-%m-%d}"
+
+    def cost_micro_usd(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> int:
+        """Cost rounded up to a whole micro-dollar (a ceiling never under-counts)."""
+        uncached = max(0, prompt_tokens - cached_tokens)
+        numerator = (
+            uncached * self.input_per_million_micro_usd
+            + cached_tokens * self.cached_input_per_million_micro_usd
+            + completion_tokens * self.output_per_million_micro_usd
+        )
+        return -(-numerator // 1_000_000)
+
+
 class Feature(models.Model):
     """A product feature that calls the model ("chat", "summary"…); limits and logs hang off it."""
 
@@ -19,6 +85,7 @@ class Feature(models.Model):
     enabled = models.BooleanField(default=True)
     max_input_tokens = models.PositiveIntegerField(default=2048, validators=[MinValueValidator(1)])
     max_output_tokens = models.PositiveIntegerField(default=512, validators=[MinValueValidator(1)])
+    provider = models.ForeignKey(Provider, null=True, blank=True, on_delete=models.PROTECT, related_name="features")
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
@@ -42,7 +109,10 @@ class TokenLog(models.Model):
     request_id = models.CharField(max_length=64, unique=True)
     user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="token_logs")
     feature = models.ForeignKey(Feature, null=True, on_delete=models.PROTECT, related_name="token_logs")
+    provider = models.ForeignKey(Provider, null=True, on_delete=models.PROTECT, related_name="token_logs")
+    price = models.ForeignKey(ModelPrice, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
     model = models.CharField(max_length=200)
+    loop_id = models.CharField(max_length=64, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices)
     finish_reason = models.CharField(max_length=16, blank=True)
     refusal_code = models.CharField(max_length=64, blank=True)
@@ -52,6 +122,12 @@ class TokenLog(models.Model):
     cached_tokens = models.PositiveIntegerField(default=0)
     max_tokens = models.PositiveIntegerField(default=0)
     cost_micro_usd = models.BigIntegerField(default=0)
+    admitted = models.BooleanField(default=False)  # the guard reserved for it in Redis
+    reserved_tokens = models.PositiveIntegerField(default=0)
+    reserved_cost_micro_usd = models.BigIntegerField(default=0)
+    # The guard's Redis counters this request was reserved against, so settling releases exactly them
+    # even if quotas changed in between.
+    counter_keys = models.JSONField(default=list, blank=True)
     ttft_ms = models.PositiveIntegerField(null=True, blank=True)
     total_ms = models.PositiveIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(db_index=True)
@@ -62,6 +138,8 @@ class TokenLog(models.Model):
             models.Index(fields=["feature", "created_at"]),
             models.Index(fields=["user", "created_at"]),
             models.Index(fields=["status", "created_at"]),
+            models.Index(fields=["provider", "created_at"]),
+            models.Index(fields=["loop_id"], condition=~models.Q(loop_id=""), name="tokenlog_loop_idx"),
         ]
 
     def __str__(self) -> str:
@@ -77,3 +155,49 @@ class TokenLog(models.Model):
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
         }
+
+
+class Quota(models.Model):
+    """A cap for one period: for one user or (user empty) everyone, on one feature or (empty) all."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="quotas")
+    feature = models.ForeignKey(Feature, null=True, blank=True, on_delete=models.CASCADE, related_name="quotas")
+    period = models.CharField(max_length=8, choices=Period.choices)
+    max_requests = models.PositiveIntegerField(null=True, blank=True)
+    max_tokens = models.PositiveBigIntegerField(null=True, blank=True)
+    max_cost_micro_usd = models.PositiveBigIntegerField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["user", "feature", "period"], name="one_quota_per_scope", nulls_distinct=False
+            )
+        ]
+
+    def __str__(self) -> str:
+        who = self.user.username if self.user_id else "everyone"
+        what = self.feature.name if self.feature_id else "all features"
+        return f"{who} / {what} / {self.period}"
+
+
+class Alert(models.Model):
+    """The outbox of spend alerts: one row per (scope, threshold, period), claimed once, emailed once."""
+
+    scope = models.CharField(max_length=100)
+    threshold = models.PositiveSmallIntegerField()
+    period_key = models.CharField(max_length=16)
+    spent_micro_usd = models.BigIntegerField()
+    limit_micro_usd = models.BigIntegerField()
+    recipients = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    claimed_at = models.DateTimeField(null=True, blank=True)
+    sent_at = models.DateTimeField(null=True, blank=True)
+    error = models.CharField(max_length=500, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["scope", "threshold", "period_key"], name="one_alert_per_threshold_and_period")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.scope} {self.threshold}% {self.period_key}"

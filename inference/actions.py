@@ -5,14 +5,14 @@ from __future__ import annotations
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
-from budgets.actions import Usage, do_open_log, do_record_usage
+from budgets.actions import Usage, do_record_usage
+from budgets.guard import AdmissionRequest, Decision, LoopLimits, admit, settle
 from budgets.models import Feature, TokenLog
 
 from .models import Transcript
 
 
-@transaction.atomic
-def do_open_request(
+def do_admit_request(
     *,
     request_id: str,
     user: AbstractBaseUser,
@@ -21,17 +21,22 @@ def do_open_request(
     messages: list[dict],
     prompt_ids: list[int],
     max_tokens: int,
-) -> TokenLog:
-    log = do_open_log(
+    loop: LoopLimits | None = None,
+) -> Decision:
+    """Ask the guard; when admitted, store the prompt for the worker. Refusals are logged by the guard."""
+    request = AdmissionRequest(
         request_id=request_id,
         user=user,
         feature=feature,
         model=model,
         prompt_tokens=len(prompt_ids),
         max_tokens=max_tokens,
+        loop=loop,
     )
-    Transcript.objects.create(log=log, messages=messages, prompt_ids=prompt_ids)
-    return log
+    decision = admit(request)
+    if decision.admitted:
+        Transcript.objects.create(log=decision.log, messages=messages, prompt_ids=prompt_ids)
+    return decision
 
 
 @transaction.atomic
@@ -46,8 +51,13 @@ def do_finish_request(
     ttft_ms: int | None,
     error: str = "",
 ) -> TokenLog | None:
-    """Settle the ledger row and store the answer; None when it was already settled."""
-    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=len(completion_ids))
+    """Settle the ledger row and store the answer; None when it was already settled.
+
+    The guard's counters are settled by the caller after this commits (settle_reservation).
+    """
+    row = TokenLog.objects.select_related("price").get(request_id=request_id)
+    cost = row.price.cost_micro_usd(prompt_tokens, len(completion_ids)) if row.price else 0
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=len(completion_ids), cost_micro_usd=cost)
     settled = do_record_usage(
         request_id, status=status, usage=usage, finish_reason=finish_reason, error=error, ttft_ms=ttft_ms
     )
@@ -55,3 +65,11 @@ def do_finish_request(
         return None
     Transcript.objects.filter(log__request_id=request_id).update(completion_ids=completion_ids, response_text=text)
     return TokenLog.objects.get(request_id=request_id)
+
+
+def settle_reservation(request_id: str) -> bool:
+    """Release a finished request's reservation in the guard; safe to call any number of times."""
+    row = TokenLog.objects.filter(request_id=request_id).first()
+    if row is None or row.status in (TokenLog.Status.RUNNING, TokenLog.Status.REFUSED) or not row.admitted:
+        return False
+    return settle(row)

@@ -19,12 +19,13 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
 from budgets.actions import do_log_refusal
-from budgets.models import Feature
+from budgets.guard import Decision, LoopLimits
+from budgets.models import Feature, TokenLog
 
 from . import bus
-from .actions import do_open_request
+from .actions import do_admit_request, do_finish_request, settle_reservation
 from .frames import CancelFrame, ChatFrame, FrameError, parse_frame
-from .tokenizer import chat_prompt_ids, model_name
+from .tokenizer import chat_prompt_ids, input_too_long_by_count, input_too_long_by_size, model_name
 
 log = logging.getLogger(__name__)
 
@@ -85,22 +86,34 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await log_refusal(request_id, self.user, feature, "feature_disabled", message, 0, frame.max_tokens)
             await self.send_json({"type": "refused", "code": "feature_disabled", "message": message, "retry_after_s": None})
             return
-        prompt_ids = await sync_to_async(chat_prompt_ids, thread_sensitive=False)(frame.messages)
         limit = min(feature.max_input_tokens, settings.CEILING_MAX_INPUT_TOKENS)
-        if len(prompt_ids) > limit:
-            message = f"Your conversation is {len(prompt_ids):,} tokens long; the limit is {limit:,}. Shorten it and try again."
-            await log_refusal(request_id, self.user, feature, "max_input_tokens", message, len(prompt_ids), frame.max_tokens)
-            await self.send_json({"type": "refused", "code": "max_input_tokens", "message": message, "retry_after_s": None})
+        prompt_ids: list[int] = []
+        refusal = input_too_long_by_size(frame.messages, limit)
+        if refusal is None:
+            prompt_ids = await sync_to_async(chat_prompt_ids, thread_sensitive=False)(frame.messages)
+            refusal = input_too_long_by_count(len(prompt_ids), limit)
+        if refusal is not None:
+            await log_refusal(request_id, self.user, feature, "max_input_tokens", refusal, len(prompt_ids), frame.max_tokens)
+            await self.send_json({"type": "refused", "code": "max_input_tokens", "message": refusal, "retry_after_s": None})
             return
         max_tokens = min(frame.max_tokens, feature.max_output_tokens)
         group = bus.request_group(request_id)
+        # Join the group before the worker can publish the first token.
         await self.channel_layer.group_add(group, self.channel_name)
         self.request_id, self.stream = request_id, asyncio.Queue()
         try:
-            await open_request(request_id, self.user, feature, frame.messages, prompt_ids, max_tokens)
+            loop = LoopLimits(frame.loop_id, settings.CEILING_LOOP_MAX_CALLS, settings.CEILING_LOOP_MAX_COST_MICRO_USD) if frame.loop_id else None
+            decision = await admit_request(request_id, self.user, feature, frame.messages, prompt_ids, max_tokens, loop)
+            if not decision.admitted:
+                await self.send_json(
+                    {"type": "refused", "code": decision.code, "message": decision.message, "retry_after_s": decision.retry_after_s}
+                )
+                return
             await self.send_json(
-                {"type": "accepted", "request_id": request_id, "prompt_tokens": len(prompt_ids), "max_tokens": max_tokens}
+                {"type": "accepted", "request_id": request_id, "prompt_tokens": len(prompt_ids), "max_tokens": decision.max_tokens}
             )
+            if decision.warning:
+                await self.send_json({"type": "notice", "code": "nearing_cap", "message": decision.warning})
             await dispatch_generation(request_id)
             await self._relay(request_id)
         except asyncio.CancelledError:
@@ -177,8 +190,8 @@ def get_feature(name: str) -> Feature | None:
 
 
 @database_sync_to_async
-def open_request(request_id, user, feature, messages, prompt_ids, max_tokens) -> None:
-    do_open_request(
+def admit_request(request_id, user, feature, messages, prompt_ids, max_tokens, loop) -> Decision:
+    return do_admit_request(
         request_id=request_id,
         user=user,
         feature=feature,
@@ -186,6 +199,7 @@ def open_request(request_id, user, feature, messages, prompt_ids, max_tokens) ->
         messages=messages,
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
+        loop=loop,
     )
 
 
@@ -207,4 +221,20 @@ def log_refusal(request_id, user, feature, code, message, prompt_tokens, max_tok
 def dispatch_generation(request_id: str) -> None:
     from .tasks import generate
 
-    generate.apply_async(args=[request_id], queue="inference")
+    try:
+        generate.apply_async(args=[request_id], queue="inference", retry=False)
+    except Exception as exc:
+        # Never leave an admitted request holding its reservation because the broker was away.
+        fail_undispatched(request_id, str(exc))
+        raise
+
+
+def fail_undispatched(request_id: str, error: str) -> None:
+    from django.db import close_old_connections
+
+    close_old_connections()
+    do_finish_request(
+        request_id, status=TokenLog.Status.FAILED, prompt_tokens=0, completion_ids=[], text="",
+        finish_reason="", ttft_ms=None, error=f"could not reach the workers: {error}",
+    )
+    settle_reservation(request_id)

@@ -15,7 +15,7 @@ from django.utils import timezone
 from budgets.models import TokenLog
 
 from . import bus
-from .actions import do_finish_request
+from .actions import do_finish_request, settle_reservation
 from .engine import FINISH_CANCELLED, FINISH_ERROR, EngineError, get_engine
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,14 @@ class IncrementalDecoder:
 
 
 def run_generation(request_id: str) -> None:
+    """Generate, settle the ledger, and always settle the guard's reservation (in the finally)."""
+    try:
+        _generate(request_id)
+    finally:
+        settle_reservation(request_id)
+
+
+def _generate(request_id: str) -> None:
     log_row = TokenLog.objects.select_related("transcript").filter(request_id=request_id).first()
     if log_row is None:
         log.warning("generate: unknown request %s", request_id)
@@ -117,6 +125,8 @@ def _finish(
     )
     if settled is None:
         return
+    # Release the reservation before telling the user, so their next request sees the freed room.
+    settle_reservation(settled.request_id)
     sender = bus.channel_sender()
     if status == TokenLog.Status.FAILED:
         message = {"type": "chat.failed", "request_id": settled.request_id, "code": "engine_failed", "message": f"The model could not finish this answer: {error}."}

@@ -23,3 +23,28 @@ def model_name() -> str:
     from django.conf import settings
 
     return settings.CEILING_MODEL_NAME
+
+
+@lru_cache(maxsize=1)
+def longest_token_bytes() -> int:
+    """No token is longer than this in UTF-8, so bytes / this is a floor on the token count."""
+    tokenizer = get_tokenizer()
+    longest = max(len(tokenizer.convert_tokens_to_string([token]).encode()) for token in tokenizer.get_vocab())
+    return max(1, longest)
+
+
+def input_too_long_by_size(messages: list[dict], limit: int) -> str | None:
+    """The cheap check: refuse a huge paste from its size alone, without tokenizing it."""
+    size = sum(len(m["content"].encode()) for m in messages)
+    if size > limit * longest_token_bytes() + 64 * len(messages):
+        return (
+            f"Your conversation is {size:,} bytes, far more than the {limit:,} tokens allowed. "
+            "Shorten it and try again."
+        )
+    return None
+
+
+def input_too_long_by_count(prompt_tokens: int, limit: int) -> str | None:
+    if prompt_tokens > limit:
+        return f"Your conversation is {prompt_tokens:,} tokens long; the limit is {limit:,}. Shorten it and try again."
+    return None

@@ -237,6 +237,15 @@ CEILING_TOTAL_TIMEOUT_S = envfloat("CEILING_TOTAL_TIMEOUT_S", 300.0, minimum=0.1
 # Celery's hard limit sits above the consumer's total timeout so the consumer speaks first.
 CEILING_TASK_TIME_LIMIT_S = envint("CEILING_TASK_TIME_LIMIT_S", 330, minimum=1)
 
+# --- The budget guard ---------------------------------------------------------------------------
+# Redis round trips of the guard give up after this long: refusing fast beats hanging (fail closed).
+CEILING_GUARD_TIMEOUT_S = envfloat("CEILING_GUARD_TIMEOUT_S", 0.1, minimum=0.01)
+# A request still "running" this long after admission was lost (worker crash): reconciliation
+# marks it failed and releases its reservation.
+CEILING_RESERVATION_TTL_S = envint("CEILING_RESERVATION_TTL_S", 600, minimum=60)
+CEILING_LOOP_MAX_CALLS = envint("CEILING_LOOP_MAX_CALLS", 10, minimum=1)
+CEILING_LOOP_MAX_COST_MICRO_USD = envint("CEILING_LOOP_MAX_COST_MICRO_USD", 1_000_000, minimum=0)
+
 EMAIL_BACKEND = envstr("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
 
 LOGGING = {

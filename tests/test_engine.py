@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from budgets.models import TokenLog
-from inference.actions import do_open_request
+from inference.actions import do_admit_request
 from inference.engine import Engine, EngineConfig, EngineError
 from inference.modelfiles import model_dir
 from inference.tasks import generate
@@ -54,10 +54,11 @@ def test_four_prompts_batched_in_the_worker_match_greedy_generate_alone(live_sta
     for prompt in PROMPTS:
         messages = [{"role": "user", "content": prompt}]
         request_id = uuid.uuid4().hex
-        do_open_request(
+        decision = do_admit_request(
             request_id=request_id, user=alice, feature=chat_feature, model="test", messages=messages,
             prompt_ids=engine.encode_chat(messages), max_tokens=40,
         )
+        assert decision.admitted
         request_ids.append(request_id)
     for request_id in request_ids:  # submitted together: all four share the running batch
         generate.delay(request_id)

@@ -1,0 +1,261 @@
+"""The guard's counters in Redis: one Lua script admits, one settles, one installs a rebuilt counter.
+
+Each ceiling is a Redis hash with used (u*) and reserved (r*) requests, tokens and micro-dollars,
+plus an `ok` field that says it was built from the ledger. A missing hash (Redis restarted or
+flushed, a new period, a new quota) is never treated as zero: the admit script answers "rebuild"
+and the caller rebuilds it from the database first. So counters are a cache of the ledger.
+
+Admission is all-or-nothing across every ceiling that applies: the script checks them all, then
+reserves on all of them, in one atomic step on the Redis server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+ADMIT_LUA = """
+local n = #KEYS - 1
+local marker = KEYS[#KEYS]
+local marker_ttl = tonumber(ARGV[1])
+local prompt = tonumber(ARGV[2])
+local asked = tonumber(ARGV[3])
+local price_in = tonumber(ARGV[4])
+local price_out = tonumber(ARGV[5])
+if redis.call('EXISTS', marker) == 1 then return {'duplicate'} end
+local missing = {}
+for i = 1, n do
+  if redis.call('HEXISTS', KEYS[i], 'ok') == 0 then missing[#missing + 1] = i end
+end
+if #missing > 0 then
+  local reply = {'rebuild'}
+  for _, i in ipairs(missing) do reply[#reply + 1] = i end
+  return reply
+end
+local granted = asked
+local state = {}
+for i = 1, n do
+  local base = 5 + (i - 1) * 4
+  local lr, lt, lc = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
+  local v = redis.call('HMGET', KEYS[i], 'ur', 'rr', 'ut', 'rt', 'uc', 'rc')
+  local ur, rr, ut, rt, uc, rc = tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0,
+    tonumber(v[4]) or 0, tonumber(v[5]) or 0, tonumber(v[6]) or 0
+  state[i] = {ur, rr, ut, rt, uc, rc}
+  if lr >= 0 and ur + rr + 1 > lr then return {'refused', i, 'requests', ur, rr, lr} end
+  if lt >= 0 then
+    local room = lt - ut - rt - prompt
+    if room < 1 then return {'refused', i, 'tokens', ut, rt, lt} end
+    if room < granted then granted = room end
+  end
+  if lc >= 0 then
+    local room = (lc - uc - rc) * 1000000 - prompt * price_in
+    if room < 0 or (price_in == 0 and price_out == 0 and uc + rc >= lc) then
+      return {'refused', i, 'cost', uc, rc, lc}
+    end
+    if price_out > 0 then
+      local fits = math.floor(room / price_out)
+      if fits < 1 then return {'refused', i, 'cost', uc, rc, lc} end
+      if fits < granted then granted = fits end
+    end
+  end
+end
+local tokens = prompt + granted
+local cost = math.ceil((prompt * price_in + granted * price_out) / 1000000)
+local worst, worst_i, worst_metric = -1, 0, ''
+for i = 1, n do
+  local base = 5 + (i - 1) * 4
+  redis.call('HINCRBY', KEYS[i], 'rr', 1)
+  redis.call('HINCRBY', KEYS[i], 'rt', tokens)
+  redis.call('HINCRBY', KEYS[i], 'rc', cost)
+  redis.call('EXPIRE', KEYS[i], tonumber(ARGV[base + 4]))
+  local s = state[i]
+  local limits = {{tonumber(ARGV[base + 1]), s[1] + s[2] + 1, 'requests'},
+                  {tonumber(ARGV[base + 2]), s[3] + s[4] + tokens, 'tokens'},
+                  {tonumber(ARGV[base + 3]), s[5] + s[6] + cost, 'cost'}}
+  for _, l in ipairs(limits) do
+    if l[1] > 0 then
+      local permille = math.floor(1000 * l[2] / l[1])
+      if permille > worst then worst, worst_i, worst_metric = permille, i, l[3] end
+    end
+  end
+end
+redis.call('SET', marker, 1, 'EX', marker_ttl)
+return {'ok', granted, tokens, cost, worst, worst_i, worst_metric}
+"""
+
+SETTLE_LUA = """
+local n = #KEYS - 1
+local marker = KEYS[#KEYS]
+if redis.call('EXISTS', marker) == 1 then return 0 end
+local reserved_tokens, reserved_cost = tonumber(ARGV[2]), tonumber(ARGV[3])
+local used_tokens, used_cost = tonumber(ARGV[4]), tonumber(ARGV[5])
+for i = 1, n do
+  -- A counter that is gone will be rebuilt from the ledger, which already holds this request.
+  if redis.call('HEXISTS', KEYS[i], 'ok') == 1 then
+    redis.call('HINCRBY', KEYS[i], 'rr', -1)
+    redis.call('HINCRBY', KEYS[i], 'rt', -reserved_tokens)
+    redis.call('HINCRBY', KEYS[i], 'rc', -reserved_cost)
+    for _, f in ipairs({'rr', 'rt', 'rc'}) do
+      if tonumber(redis.call('HGET', KEYS[i], f)) < 0 then redis.call('HSET', KEYS[i], f, 0) end
+    end
+    redis.call('HINCRBY', KEYS[i], 'ur', 1)
+    redis.call('HINCRBY', KEYS[i], 'ut', used_tokens)
+    redis.call('HINCRBY', KEYS[i], 'uc', used_cost)
+  end
+end
+redis.call('SET', marker, 1, 'EX', tonumber(ARGV[1]))
+return 1
+"""
+
+INSTALL_LUA = """
+if redis.call('HEXISTS', KEYS[1], 'ok') == 1 then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'ok', 1, 'ur', ARGV[1], 'ut', ARGV[2], 'uc', ARGV[3], 'rr', ARGV[4], 'rt', ARGV[5], 'rc', ARGV[6])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[7]))
+return 1
+"""
+
+NO_LIMIT = -1
+MARKER_TTL_S = 2 * 24 * 3600
+
+
+@dataclass(frozen=True)
+class Limits:
+    requests: int | None = None
+    tokens: int | None = None
+    cost_micro_usd: int | None = None
+
+    def any(self) -> bool:
+        return any(v is not None for v in (self.requests, self.tokens, self.cost_micro_usd))
+
+
+@dataclass(frozen=True)
+class CounterSpec:
+    key: str
+    limits: Limits
+    ttl_s: int
+
+
+@dataclass(frozen=True)
+class Usage:
+    requests: int = 0
+    tokens: int = 0
+    cost_micro_usd: int = 0
+
+
+@dataclass(frozen=True)
+class CounterState:
+    used: Usage
+    reserved: Usage
+
+
+@dataclass(frozen=True)
+class AdmitResult:
+    status: str  # ok | refused | rebuild | duplicate
+    granted_tokens: int = 0
+    reserved_tokens: int = 0
+    reserved_cost_micro_usd: int = 0
+    refused_index: int | None = None  # which counter said no (0-based)
+    refused_metric: str = ""  # requests | tokens | cost
+    refused_used: int = 0
+    refused_reserved: int = 0
+    refused_limit: int = 0
+    rebuild_indexes: tuple[int, ...] = ()
+    fullest_permille: int = 0  # how full the fullest ceiling is after this admission
+    fullest_index: int | None = None
+    fullest_metric: str = ""
+
+
+class CounterStore:
+    """Atomic admit / settle / install against Redis. Knows nothing about Django."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "ceiling") -> None:
+        self.client = client
+        self.prefix = prefix
+        self._admit = client.register_script(ADMIT_LUA)
+        self._settle = client.register_script(SETTLE_LUA)
+        self._install = client.register_script(INSTALL_LUA)
+
+    def admitted_marker(self, request_id: str) -> str:
+        return f"{self.prefix}:admitted:{request_id}"
+
+    def settled_marker(self, request_id: str) -> str:
+        return f"{self.prefix}:settled:{request_id}"
+
+    def admit(
+        self,
+        request_id: str,
+        counters: list[CounterSpec],
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        price_in_per_million: int = 0,
+        price_out_per_million: int = 0,
+    ) -> AdmitResult:
+        args: list[int] = [MARKER_TTL_S, prompt_tokens, max_tokens, price_in_per_million, price_out_per_million]
+        for spec in counters:
+            limits = spec.limits
+            args += [_limit(limits.requests), _limit(limits.tokens), _limit(limits.cost_micro_usd), spec.ttl_s]
+        keys = [spec.key for spec in counters] + [self.admitted_marker(request_id)]
+        reply = [_text(item) for item in self._admit(keys=keys, args=args)]
+        status = reply[0]
+        if status == "ok":
+            return AdmitResult(
+                "ok",
+                granted_tokens=reply[1],
+                reserved_tokens=reply[2],
+                reserved_cost_micro_usd=reply[3],
+                fullest_permille=max(0, reply[4]),
+                fullest_index=reply[5] - 1 if reply[5] else None,
+                fullest_metric=reply[6],
+            )
+        if status == "refused":
+            return AdmitResult(
+                "refused",
+                refused_index=reply[1] - 1,
+                refused_metric=reply[2],
+                refused_used=reply[3],
+                refused_reserved=reply[4],
+                refused_limit=reply[5],
+            )
+        if status == "rebuild":
+            return AdmitResult("rebuild", rebuild_indexes=tuple(i - 1 for i in reply[1:]))
+        return AdmitResult("duplicate")
+
+    def settle(
+        self,
+        request_id: str,
+        keys: list[str],
+        *,
+        reserved_tokens: int,
+        reserved_cost_micro_usd: int,
+        used_tokens: int,
+        used_cost_micro_usd: int,
+    ) -> bool:
+        """Move one reservation to used with the actual amounts. False if already settled."""
+        reply = self._settle(
+            keys=[*keys, self.settled_marker(request_id)],
+            args=[MARKER_TTL_S, reserved_tokens, reserved_cost_micro_usd, used_tokens, used_cost_micro_usd],
+        )
+        return bool(reply)
+
+    def install(self, key: str, used: Usage, reserved: Usage, ttl_s: int) -> bool:
+        """Write a counter rebuilt from the ledger, unless another process installed it first."""
+        args = [used.requests, used.tokens, used.cost_micro_usd, reserved.requests, reserved.tokens, reserved.cost_micro_usd, ttl_s]
+        return bool(self._install(keys=[key], args=args))
+
+    def state(self, key: str) -> CounterState | None:
+        values = self.client.hmget(key, "ok", "ur", "ut", "uc", "rr", "rt", "rc")
+        if values[0] is None:
+            return None
+        ur, ut, uc, rr, rt, rc = (int(v or 0) for v in values[1:])
+        return CounterState(Usage(ur, ut, uc), Usage(rr, rt, rc))
+
+
+def _limit(value: int | None) -> int:
+    return NO_LIMIT if value is None else int(value)
+
+
+def _text(item):
+    return item.decode() if isinstance(item, bytes) else item

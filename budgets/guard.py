@@ -1,0 +1,368 @@
+"""The budget guard: which ceilings apply to a request, admit against all of them at once, settle.
+
+    decision = admit(AdmissionRequest(...))     # before the request goes anywhere
+    ...                                          # the model runs with decision.max_tokens
+    settle(request_id, usage)                    # in a finally: always, exactly once
+
+The ledger row (TokenLog) is written before the Redis admission and marked `admitted` right after
+it, with the amounts reserved. A counter rebuilt from the ledger counts settled rows as used and
+admitted in-flight rows as reserved; rows still being admitted reserve for themselves once the
+counter is back. (The microseconds between the Redis reply and the `admitted` update are the one
+window a flush at that exact moment could miss; see the README.)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import lru_cache
+
+import redis
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Count, F, Q, Sum
+from django.utils import timezone
+
+from .counters import AdmitResult, CounterSpec, CounterStore, Limits, Usage
+from .models import Feature, ModelPrice, Period, Provider, Quota, TokenLog
+from .periods import describe_reset, period_bounds, period_key, seconds_until_reset
+
+log = logging.getLogger(__name__)
+
+WARN_PERMILLE = 800  # tell the user when a ceiling is 80% used
+REBUILD_ATTEMPTS = 5
+COUNTER_GRACE_S = 2 * 24 * 3600
+
+
+class GuardUnavailable(RuntimeError):
+    pass
+
+
+@lru_cache(maxsize=1)
+def counter_store() -> CounterStore:
+    # Short timeouts and no retries: when Redis is gone the guard must say so quickly (fail closed).
+    client = redis.Redis.from_url(
+        settings.REDIS_URL,
+        socket_connect_timeout=settings.CEILING_GUARD_TIMEOUT_S,
+        socket_timeout=settings.CEILING_GUARD_TIMEOUT_S,
+        retry_on_timeout=False,
+        retry=None,
+    )
+    return CounterStore(client)
+
+
+# --- which ceilings apply ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """One cap that applies to a request, with what a person should read when it says no."""
+
+    spec: CounterSpec
+    scope: str  # user | feature | provider | loop
+    period: str | None  # day | month | None (a loop has no calendar period)
+    subject: str  # "your", "the feature 'chat'", "the provider 'local'"
+    ledger_filter: dict = field(hash=False, compare=False)
+
+
+@dataclass(frozen=True)
+class LoopLimits:
+    loop_id: str
+    max_calls: int | None
+    max_cost_micro_usd: int | None
+
+
+def applicable_ceilings(
+    user, feature: Feature, provider: Provider, at: datetime, loop: LoopLimits | None = None
+) -> list[Ceiling]:
+    quotas = _quotas_for(user, feature)
+    ceilings = []
+    for period in (Period.DAY, Period.MONTH):
+        start, end = period_bounds(period, at)
+        ttl = int((end - at).total_seconds()) + COUNTER_GRACE_S
+        pkey = period_key(period, at)
+        window = {"created_at__gte": start, "created_at__lt": end}
+        user_quota = quotas.get((True, False, period)) or quotas.get((False, False, period))
+        if user_quota is not None:
+            ceilings.append(
+                Ceiling(
+                    CounterSpec(f"ceiling:c:user:{user.pk}:all:{period}:{pkey}", _limits(user_quota), ttl),
+                    "user", period, "your", {"user_id": user.pk, **window},
+                )
+            )
+        feature_quota = quotas.get((True, True, period)) or quotas.get((False, True, period))
+        if feature_quota is not None:
+            ceilings.append(
+                Ceiling(
+                    CounterSpec(f"ceiling:c:user:{user.pk}:f{feature.pk}:{period}:{pkey}", _limits(feature_quota), ttl),
+                    "feature", period, f"your {feature.name!r}",
+                    {"user_id": user.pk, "feature_id": feature.pk, **window},
+                )
+            )
+    if provider.monthly_limit_micro_usd is not None:
+        start, end = period_bounds(Period.MONTH, at)
+        ttl = int((end - at).total_seconds()) + COUNTER_GRACE_S
+        ceilings.append(
+            Ceiling(
+                CounterSpec(
+                    f"ceiling:c:provider:{provider.pk}:month:{period_key(Period.MONTH, at)}",
+                    Limits(cost_micro_usd=provider.monthly_limit_micro_usd),
+                    ttl,
+                ),
+                "provider", Period.MONTH, f"the provider {provider.name!r}",
+                {"provider_id": provider.pk, "created_at__gte": start, "created_at__lt": end},
+            )
+        )
+    if loop is not None:
+        ceilings.append(
+            Ceiling(
+                CounterSpec(
+                    f"ceiling:c:loop:{user.pk}:{loop.loop_id}",
+                    Limits(requests=loop.max_calls, cost_micro_usd=loop.max_cost_micro_usd),
+                    COUNTER_GRACE_S,
+                ),
+                "loop", None, "this loop", {"user_id": user.pk, "loop_id": loop.loop_id},
+            )
+        )
+    return [c for c in ceilings if c.spec.limits.any()]
+
+
+def _quotas_for(user, feature: Feature) -> dict[tuple[bool, bool, str], Quota]:
+    """(is the user's own, is per-feature, period) → quota; the user's own beats the default."""
+    rows = Quota.objects.filter(Q(user=user) | Q(user__isnull=True)).filter(Q(feature=feature) | Q(feature__isnull=True))
+    return {(q.user_id is not None, q.feature_id is not None, q.period): q for q in rows}
+
+
+def _limits(quota: Quota) -> Limits:
+    return Limits(quota.max_requests, quota.max_tokens, quota.max_cost_micro_usd)
+
+
+def price_in_force(provider: Provider, model: str, at: datetime) -> ModelPrice | None:
+    return (
+        ModelPrice.objects.filter(provider=provider, model=model, effective_from__lte=at)
+        .order_by("-effective_from")
+        .first()
+    )
+
+
+# --- admission -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdmissionRequest:
+    request_id: str
+    user: object
+    feature: Feature
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    loop: LoopLimits | None = None
+    provider: Provider | None = None
+
+
+@dataclass
+class Decision:
+    admitted: bool
+    request_id: str
+    max_tokens: int = 0
+    code: str = ""
+    message: str = ""
+    retry_after_s: int | None = None
+    warning: str = ""
+    log: TokenLog | None = None
+
+
+def admit(request: AdmissionRequest, now: datetime | None = None) -> Decision:
+    """Check every ceiling and reserve against all of them atomically, or refuse with a sentence."""
+    now = now or timezone.now()
+    provider = request.provider or request.feature.provider or Provider.default()
+    price = price_in_force(provider, request.model, now)
+    ceilings = applicable_ceilings(request.user, request.feature, provider, now, request.loop)
+    row, created = _open_row(request, provider, price, ceilings, now)
+    if not created:
+        return Decision(False, request.request_id, code="duplicate_request", message="This request was already submitted.")
+    try:
+        result = _admit_with_rebuild(request, ceilings, price, now)
+    except (redis.RedisError, GuardUnavailable) as exc:
+        log.warning("guard unavailable: %s", exc)
+        message = "The budget guard cannot be reached right now, so no request can be admitted. Please try again in a minute."
+        return _refuse(row, "guard_unavailable", message, 30)
+    if result.status == "duplicate":
+        return _refuse(row, "duplicate_request", "This request was already submitted.", None)
+    if result.status == "refused":
+        ceiling = ceilings[result.refused_index]
+        code, message, retry = refusal_text(ceiling, result, now)
+        return _refuse(row, code, message, retry)
+    TokenLog.objects.filter(pk=row.pk).update(
+        admitted=True,
+        max_tokens=result.granted_tokens,
+        reserved_tokens=result.reserved_tokens,
+        reserved_cost_micro_usd=result.reserved_cost_micro_usd,
+    )
+    row.admitted, row.max_tokens, row.reserved_tokens = True, result.granted_tokens, result.reserved_tokens
+    row.reserved_cost_micro_usd = result.reserved_cost_micro_usd
+    warning = ""
+    if result.fullest_permille >= WARN_PERMILLE and result.fullest_index is not None:
+        warning = nearing_text(ceilings[result.fullest_index], result, now)
+    return Decision(True, request.request_id, max_tokens=result.granted_tokens, warning=warning, log=row)
+
+
+def _open_row(request, provider, price, ceilings, now) -> tuple[TokenLog, bool]:
+    with transaction.atomic():
+        row, created = TokenLog.objects.get_or_create(
+            request_id=request.request_id,
+            defaults=dict(
+                user=request.user,
+                feature=request.feature,
+                provider=provider,
+                price=price,
+                model=request.model,
+                loop_id=request.loop.loop_id if request.loop else "",
+                status=TokenLog.Status.RUNNING,
+                prompt_tokens=request.prompt_tokens,
+                max_tokens=request.max_tokens,
+                counter_keys=[c.spec.key for c in ceilings],
+                created_at=now,
+            ),
+        )
+    return row, created
+
+
+def _admit_with_rebuild(request, ceilings, price, now) -> AdmitResult:
+    store = counter_store()
+    for _ in range(REBUILD_ATTEMPTS):
+        result = store.admit(
+            request.request_id,
+            [c.spec for c in ceilings],
+            prompt_tokens=request.prompt_tokens,
+            max_tokens=request.max_tokens,
+            price_in_per_million=price.input_per_million_micro_usd if price else 0,
+            price_out_per_million=price.output_per_million_micro_usd if price else 0,
+        )
+        if result.status != "rebuild":
+            return result
+        for index in result.rebuild_indexes:
+            rebuild_counter(ceilings[index])
+    raise GuardUnavailable("counters could not be rebuilt from the ledger")
+
+
+def _refuse(row: TokenLog, code: str, message: str, retry_after_s: int | None) -> Decision:
+    now = timezone.now()
+    TokenLog.objects.filter(pk=row.pk, status=TokenLog.Status.RUNNING).update(
+        status=TokenLog.Status.REFUSED,
+        refusal_code=code,
+        error=message[:500],
+        reserved_tokens=0,
+        reserved_cost_micro_usd=0,
+        max_tokens=0,
+        finished_at=now,
+    )
+    return Decision(False, row.request_id, code=code, message=message, retry_after_s=retry_after_s)
+
+
+# --- rebuilding counters from the ledger -----------------------------------------------------------
+
+
+SETTLED = ~Q(status__in=[TokenLog.Status.RUNNING, TokenLog.Status.REFUSED])
+IN_FLIGHT = Q(status=TokenLog.Status.RUNNING, admitted=True)
+
+
+def ledger_sums(ledger_filter: dict) -> tuple[Usage, Usage]:
+    """(used, reserved) for one ceiling, straight from TokenLog: one aggregate query."""
+    rows = TokenLog.objects.filter(**ledger_filter)
+    sums = rows.aggregate(
+        ur=Count("id", filter=SETTLED),
+        ut=Sum(F("prompt_tokens") + F("completion_tokens"), filter=SETTLED),
+        uc=Sum("cost_micro_usd", filter=SETTLED),
+        rr=Count("id", filter=IN_FLIGHT),
+        rt=Sum("reserved_tokens", filter=IN_FLIGHT),
+        rc=Sum("reserved_cost_micro_usd", filter=IN_FLIGHT),
+    )
+    used = Usage(sums["ur"] or 0, sums["ut"] or 0, sums["uc"] or 0)
+    reserved = Usage(sums["rr"] or 0, sums["rt"] or 0, sums["rc"] or 0)
+    return used, reserved
+
+
+def rebuild_counter(ceiling: Ceiling) -> None:
+    used, reserved = ledger_sums(ceiling.ledger_filter)
+    counter_store().install(ceiling.spec.key, used, reserved, ceiling.spec.ttl_s)
+
+
+# --- settling ------------------------------------------------------------------------------------
+
+
+def settle(row: TokenLog) -> bool:
+    """Release the reservation of a finished row and count what it really used. Idempotent."""
+    if not row.counter_keys:
+        return False
+    try:
+        return counter_store().settle(
+            row.request_id,
+            row.counter_keys,
+            reserved_tokens=row.reserved_tokens,
+            reserved_cost_micro_usd=row.reserved_cost_micro_usd,
+            used_tokens=row.prompt_tokens + row.completion_tokens,
+            used_cost_micro_usd=row.cost_micro_usd,
+        )
+    except redis.RedisError as exc:
+        # The ledger is already right; the counter is rebuilt from it when Redis comes back.
+        log.warning("could not settle %s in Redis: %s", row.request_id, exc)
+        return False
+
+
+# --- sentences -----------------------------------------------------------------------------------
+
+
+def refusal_text(ceiling: Ceiling, result: AdmitResult, now: datetime) -> tuple[str, str, int | None]:
+    metric = result.refused_metric
+    spent = result.refused_used + result.refused_reserved
+    code = _code(ceiling, metric)
+    amount = _amount(metric, spent, result.refused_limit)
+    when = {"day": "for today", "month": "for this month"}.get(ceiling.period or "", "")
+    if ceiling.scope == "provider":
+        message = (
+            f"{ceiling.subject.capitalize()} has reached its monthly spend limit: {amount}. "
+            f"Requests resume {describe_reset(ceiling.period, now)}."
+        )
+    elif ceiling.scope == "loop":
+        message = f"This loop has used {amount}; it may not call the model again."
+    else:
+        verb = {"requests": "made", "tokens": "used", "cost": "spent"}[metric]
+        message = f"You have {verb} {amount} {when}"
+        if ceiling.scope == "feature":
+            message += f" on {ceiling.subject.removeprefix('your ')}"
+        if result.refused_reserved:
+            message += " (counting answers still in progress)"
+        if metric == "tokens" and spent < result.refused_limit:
+            message += f", and this conversation alone needs more than the {result.refused_limit - spent:,} left"
+        message += f". Your allowance resets {describe_reset(ceiling.period, now)}."
+    retry = seconds_until_reset(ceiling.period, now) if ceiling.period else None
+    return code, message, retry
+
+
+def nearing_text(ceiling: Ceiling, result: AdmitResult, now: datetime) -> str:
+    percent = result.fullest_permille // 10
+    what = {"requests": "requests", "tokens": "tokens", "cost": "spending allowance"}[result.fullest_metric]
+    when = {"day": "today's", "month": "this month's"}.get(ceiling.period or "", "this loop's")
+    where = f" for {ceiling.subject.removeprefix('your ')}" if ceiling.scope == "feature" else ""
+    text = f"You have used {percent}% of {when} {what}{where}."
+    if ceiling.period and ceiling.scope != "provider":
+        text += f" It resets {describe_reset(ceiling.period, now)}."
+    return text
+
+
+def _code(ceiling: Ceiling, metric: str) -> str:
+    if ceiling.scope == "provider":
+        return "provider_spend"
+    if ceiling.scope == "loop":
+        return "loop_calls" if metric == "requests" else "loop_spend"
+    noun = {"requests": "requests", "tokens": "tokens", "cost": "cost"}[metric]
+    prefix = "user" if ceiling.scope == "user" else "feature"
+    return f"{prefix}_{noun}_per_{ceiling.period}"
+
+
+def _amount(metric: str, spent: int, limit: int) -> str:
+    if metric == "cost":
+        return f"${spent / 1e6:,.2f} of ${limit / 1e6:,.2f}"
+    return f"{spent:,} of your {limit:,} {metric}"
