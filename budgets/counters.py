@@ -16,6 +16,10 @@ from dataclasses import dataclass
 import redis
 
 ADMIT_LUA = """
+-- Lua turns -0 into "-0", which HINCRBY rejects; format integers explicitly and skip zeros.
+local function incr(key, field, amount)
+  if amount ~= 0 then redis.call('HINCRBY', key, field, string.format('%d', amount)) end
+end
 local n = #KEYS - 1
 local marker = KEYS[#KEYS]
 local marker_ttl = tonumber(ARGV[1])
@@ -65,9 +69,9 @@ local cost = math.ceil((prompt * price_in + granted * price_out) / 1000000)
 local worst, worst_i, worst_metric = -1, 0, ''
 for i = 1, n do
   local base = 5 + (i - 1) * 4
-  redis.call('HINCRBY', KEYS[i], 'rr', 1)
-  redis.call('HINCRBY', KEYS[i], 'rt', tokens)
-  redis.call('HINCRBY', KEYS[i], 'rc', cost)
+  incr(KEYS[i], 'rr', 1)
+  incr(KEYS[i], 'rt', tokens)
+  incr(KEYS[i], 'rc', cost)
   redis.call('EXPIRE', KEYS[i], tonumber(ARGV[base + 4]))
   local s = state[i]
   local limits = {{tonumber(ARGV[base + 1]), s[1] + s[2] + 1, 'requests'},
@@ -85,6 +89,10 @@ return {'ok', granted, tokens, cost, worst, worst_i, worst_metric}
 """
 
 SETTLE_LUA = """
+-- Lua turns -0 into "-0", which HINCRBY rejects; format integers explicitly and skip zeros.
+local function incr(key, field, amount)
+  if amount ~= 0 then redis.call('HINCRBY', key, field, string.format('%d', amount)) end
+end
 local n = #KEYS - 1
 local marker = KEYS[#KEYS]
 if redis.call('EXISTS', marker) == 1 then return 0 end
@@ -93,15 +101,15 @@ local used_tokens, used_cost = tonumber(ARGV[4]), tonumber(ARGV[5])
 for i = 1, n do
   -- A counter that is gone will be rebuilt from the ledger, which already holds this request.
   if redis.call('HEXISTS', KEYS[i], 'ok') == 1 then
-    redis.call('HINCRBY', KEYS[i], 'rr', -1)
-    redis.call('HINCRBY', KEYS[i], 'rt', -reserved_tokens)
-    redis.call('HINCRBY', KEYS[i], 'rc', -reserved_cost)
+    incr(KEYS[i], 'rr', -1)
+    incr(KEYS[i], 'rt', 0 - reserved_tokens)
+    incr(KEYS[i], 'rc', 0 - reserved_cost)
     for _, f in ipairs({'rr', 'rt', 'rc'}) do
-      if tonumber(redis.call('HGET', KEYS[i], f)) < 0 then redis.call('HSET', KEYS[i], f, 0) end
+      if (tonumber(redis.call('HGET', KEYS[i], f)) or 0) < 0 then redis.call('HSET', KEYS[i], f, 0) end
     end
-    redis.call('HINCRBY', KEYS[i], 'ur', 1)
-    redis.call('HINCRBY', KEYS[i], 'ut', used_tokens)
-    redis.call('HINCRBY', KEYS[i], 'uc', used_cost)
+    incr(KEYS[i], 'ur', 1)
+    incr(KEYS[i], 'ut', used_tokens)
+    incr(KEYS[i], 'uc', used_cost)
   end
 end
 redis.call('SET', marker, 1, 'EX', tonumber(ARGV[1]))

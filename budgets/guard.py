@@ -26,6 +26,7 @@ from django.utils import timezone
 
 from .counters import AdmitResult, CounterSpec, CounterStore, Limits, Usage
 from .models import Feature, ModelPrice, Period, Provider, Quota, TokenLog
+from .money import format_usd
 from .periods import describe_reset, period_bounds, period_key, seconds_until_reset
 
 log = logging.getLogger(__name__)
@@ -364,5 +365,5 @@ def _code(ceiling: Ceiling, metric: str) -> str:
 
 def _amount(metric: str, spent: int, limit: int) -> str:
     if metric == "cost":
-        return f"${spent / 1e6:,.2f} of ${limit / 1e6:,.2f}"
+        return f"{format_usd(spent)} of {format_usd(limit)}"
     return f"{spent:,} of your {limit:,} {metric}"

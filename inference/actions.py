@@ -6,6 +6,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
 from budgets.actions import Usage, do_record_usage
+from budgets.alerts import check_provider_thresholds_safely
 from budgets.guard import AdmissionRequest, Decision, LoopLimits, admit, settle
 from budgets.models import Feature, TokenLog
 
@@ -55,9 +56,7 @@ def do_finish_request(
 
     The guard's counters are settled by the caller after this commits (settle_reservation).
     """
-    row = TokenLog.objects.select_related("price").get(request_id=request_id)
-    cost = row.price.cost_micro_usd(prompt_tokens, len(completion_ids)) if row.price else 0
-    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=len(completion_ids), cost_micro_usd=cost)
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=len(completion_ids))
     settled = do_record_usage(
         request_id, status=status, usage=usage, finish_reason=finish_reason, error=error, ttft_ms=ttft_ms
     )
@@ -69,7 +68,10 @@ def do_finish_request(
 
 def settle_reservation(request_id: str) -> bool:
     """Release a finished request's reservation in the guard; safe to call any number of times."""
-    row = TokenLog.objects.filter(request_id=request_id).first()
+    row = TokenLog.objects.select_related("provider").filter(request_id=request_id).first()
     if row is None or row.status in (TokenLog.Status.RUNNING, TokenLog.Status.REFUSED) or not row.admitted:
         return False
-    return settle(row)
+    settled = settle(row)
+    if settled and row.provider is not None and row.provider.monthly_limit_micro_usd is not None:
+        check_provider_thresholds_safely(row.provider_id)  # logs, never raises: settling must not fail
+    return settled

@@ -9,6 +9,8 @@ from celery import shared_task
 from celery.signals import worker_init, worker_shutdown
 from django.conf import settings
 
+from budgets.reconcile import reconcile_forever
+
 from . import bus
 from .engine import get_engine, shutdown_engine
 from .generation import run_generation
@@ -53,6 +55,7 @@ def start_worker_services() -> None:
         name="stats-publisher",
         daemon=True,
     ).start()
+    threading.Thread(target=reconcile_forever, args=(_stop_services,), name="reconciliation", daemon=True).start()
     log.info("engine ready: %s", engine.stats().as_dict())
 
 

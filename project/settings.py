@@ -246,7 +246,18 @@ CEILING_RESERVATION_TTL_S = envint("CEILING_RESERVATION_TTL_S", 600, minimum=60)
 CEILING_LOOP_MAX_CALLS = envint("CEILING_LOOP_MAX_CALLS", 10, minimum=1)
 CEILING_LOOP_MAX_COST_MICRO_USD = envint("CEILING_LOOP_MAX_COST_MICRO_USD", 1_000_000, minimum=0)
 
+# --- Email (spend alerts) ------------------------------------------------------------------------
 EMAIL_BACKEND = envstr("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+EMAIL_HOST = envstr("EMAIL_HOST", "localhost")
+EMAIL_PORT = envint("EMAIL_PORT", 25, minimum=1)
+EMAIL_HOST_USER = envstr("EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = envstr("EMAIL_HOST_PASSWORD", "")
+EMAIL_USE_TLS = envbool("EMAIL_USE_TLS", False)
+# A dead mail server must not hold an alert task for minutes; the task retries instead.
+EMAIL_TIMEOUT = envint("EMAIL_TIMEOUT", 10, minimum=1)
+DEFAULT_FROM_EMAIL = envstr("DEFAULT_FROM_EMAIL", "ceiling@localhost")
+# Who hears about a provider's spend when the provider names no alert recipients.
+CEILING_ALERT_FALLBACK_EMAILS = envlist("CEILING_ALERT_FALLBACK_EMAILS", [])
 
 LOGGING = {
     "version": 1,

@@ -121,6 +121,13 @@ def alice(transactional_db):
 
 
 @pytest.fixture
+def bob(transactional_db):
+    from django.contrib.auth.models import User
+
+    return User.objects.create_user("bob", password="bob-password-1")
+
+
+@pytest.fixture
 def staff(transactional_db):
     from django.contrib.auth.models import User
 

@@ -1,0 +1,289 @@
+"""`manage.py bench_guard`: how fast the budget guard admits and settles, from one process.
+
+Two levels, each an admit followed by a settle, timed together:
+
+* counters — CounterStore.admit + CounterStore.settle: the two Lua scripts, three ceilings a request
+  (user day, user month, provider month), under a private key prefix;
+* guard — budgets.guard.admit + the settle path a worker takes without inference (do_record_usage,
+  then guard.settle): the Lua scripts plus the ledger's database writes, for a throwaway user,
+  feature and provider that are deleted afterwards.
+
+Nothing is ever refused: the limits are far above what the run can use.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import redis
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand, CommandError
+from django.db import connection
+from django.utils import timezone
+
+from budgets import guard
+from budgets.actions import Usage as LedgerUsage
+from budgets.actions import do_record_usage
+from budgets.counters import CounterSpec, CounterStore, Limits, Usage
+from budgets.models import Feature, ModelPrice, Period, Provider, Quota, TokenLog
+
+LEVELS = ("counters", "guard")
+WARMUP = 200
+TARGET_P99_MS = 2.0
+TARGET_ADMISSIONS_PER_S = 3000
+PROMPT_TOKENS = 120
+MAX_TOKENS = 256
+COMPLETION_TOKENS = 200
+# Far above anything a run can spend, so every admission is granted in full.
+HUGE = 10**15
+BENCH_TTL_S = 3600  # the bench's own counters vanish by themselves if cleanup never runs
+MODEL = "bench-model"
+PRICE_IN, PRICE_OUT = 150_000, 600_000  # micro-dollars per million tokens: exercises the cost ceiling
+
+Step = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    level: str
+    n: int
+    warmup: int
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+    max_ms: float
+    admissions_per_s: float
+    p99_target_met: bool
+    throughput_target_met: bool
+    database: str | None  # the database vendor written to, None for Redis only
+
+
+class Command(BaseCommand):
+    help = "Benchmark the budget guard against the local Redis: admit+settle p50/p99 and admissions/s."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("--n", type=int, default=5000, help="timed admissions per level (default 5000)")
+        parser.add_argument("--level", choices=LEVELS, help="counters or guard (default: both)")
+        parser.add_argument("--json", dest="json_path", help="also write the numbers to this file as JSON")
+
+    def handle(self, *args, n: int, level: str | None, json_path: str | None, **options) -> None:
+        if n < 1:
+            raise CommandError(f"--n must be at least 1, got {n}")
+        target = _json_target(json_path)
+        store = _reachable_store()
+        results = [self.run_level(name, store, n) for name in ([level] if level else LEVELS)]
+        if target is not None:
+            target.write_text(json.dumps(_report(n, results), indent=2) + "\n")
+            self.stdout.write(f"wrote {target}")
+
+    def run_level(self, level: str, store: CounterStore, n: int) -> LevelResult:
+        run_id = uuid.uuid4().hex[:12]
+        context = counters_level(store, run_id) if level == "counters" else guard_level(run_id)
+        try:
+            with context as step:
+                latencies_ms, wall_s = time_steps(step, n, WARMUP)
+        except redis.RedisError as exc:
+            raise CommandError(f"Redis failed during the {level} benchmark: {exc}") from exc
+        database = connection.vendor if level == "guard" else None
+        result = summarize(level, latencies_ms, wall_s, database)
+        self.print_result(result)
+        return result
+
+    def print_result(self, r: LevelResult) -> None:
+        what = "Redis Lua only, 3 ceilings" if r.database is None else f"includes {_vendor_name(r.database)} writes"
+        self.stdout.write(
+            f"{r.level:<9} n={r.n}  p50 {r.p50_ms:.3f} ms  p99 {r.p99_ms:.3f} ms  "
+            f"{r.admissions_per_s:,.0f} admissions/s  ({what})"
+        )
+        self.stdout.write(
+            f"          p99 ≤ {TARGET_P99_MS:g} ms: {_verdict(r.p99_target_met)};  "
+            f"≥ {TARGET_ADMISSIONS_PER_S:,} admissions/s: {_verdict(r.throughput_target_met)}"
+        )
+
+
+# --- the two levels: each yields a step(i) that admits and settles request i ----------------------
+
+
+@contextmanager
+def counters_level(store: CounterStore, run_id: str) -> Iterator[Step]:
+    """The Lua scripts alone, on counters under ceiling:bench:<run_id>: so real counters are never touched."""
+    bench = CounterStore(store.client, prefix=f"ceiling:bench:{run_id}")
+    specs = [
+        CounterSpec(f"{bench.prefix}:user:day", Limits(requests=HUGE, tokens=HUGE), BENCH_TTL_S),
+        CounterSpec(f"{bench.prefix}:user:month", Limits(requests=HUGE, tokens=HUGE), BENCH_TTL_S),
+        CounterSpec(f"{bench.prefix}:provider:month", Limits(cost_micro_usd=HUGE), BENCH_TTL_S),
+    ]
+    keys = [spec.key for spec in specs]
+    request_ids: list[str] = []
+    used_cost = -(-(PROMPT_TOKENS * PRICE_IN + COMPLETION_TOKENS * PRICE_OUT) // 1_000_000)
+
+    def step(i: int) -> None:
+        request_id = f"{run_id}-{i}"
+        request_ids.append(request_id)
+        result = bench.admit(
+            request_id, specs, prompt_tokens=PROMPT_TOKENS, max_tokens=MAX_TOKENS,
+            price_in_per_million=PRICE_IN, price_out_per_million=PRICE_OUT,
+        )
+        _require_ok(result.status, request_id)
+        bench.settle(
+            request_id, keys,
+            reserved_tokens=result.reserved_tokens, reserved_cost_micro_usd=result.reserved_cost_micro_usd,
+            used_tokens=PROMPT_TOKENS + COMPLETION_TOKENS, used_cost_micro_usd=used_cost,
+        )
+
+    try:
+        for spec in specs:
+            bench.install(spec.key, Usage(), Usage(), spec.ttl_s)
+        yield step
+    finally:
+        markers = [m for rid in request_ids for m in (bench.admitted_marker(rid), bench.settled_marker(rid))]
+        _delete_keys(store.client, keys + markers)
+
+
+@contextmanager
+def guard_level(run_id: str) -> Iterator[Step]:
+    """The full guard with its ledger writes, for a throwaway user, feature and provider."""
+    name = f"bench-{run_id}"
+    user = get_user_model().objects.create_user(name)  # no password: nobody can log in as it
+    provider = Provider.objects.create(name=name, monthly_limit_micro_usd=HUGE)
+    feature = Feature.objects.create(name=name, description="bench_guard throwaway", provider=provider)
+    for period in (Period.DAY, Period.MONTH):
+        Quota.objects.create(user=user, feature=None, period=period, max_requests=HUGE // 10**6, max_tokens=HUGE)
+    ModelPrice.objects.create(
+        provider=provider, model=MODEL, input_per_million_micro_usd=PRICE_IN,
+        output_per_million_micro_usd=PRICE_OUT, effective_from=timezone.now() - timedelta(days=1),
+    )
+    price = ModelPrice.objects.get(provider=provider, model=MODEL)
+
+    def step(i: int) -> None:
+        request_id = f"{name}-{i}"
+        decision = guard.admit(
+            guard.AdmissionRequest(request_id, user, feature, MODEL, PROMPT_TOKENS, MAX_TOKENS)
+        )
+        _require_ok("ok" if decision.admitted else decision.code, request_id)
+        # What a worker does when the answer ends, minus the model: record the usage, then settle.
+        completion = min(COMPLETION_TOKENS, decision.max_tokens)
+        cost = price.cost_micro_usd(PROMPT_TOKENS, completion)
+        usage = LedgerUsage(prompt_tokens=PROMPT_TOKENS, completion_tokens=completion, cost_micro_usd=cost)
+        do_record_usage(request_id, status=TokenLog.Status.OK, usage=usage, finish_reason="length")
+        guard.settle(TokenLog.objects.get(request_id=request_id))
+
+    try:
+        yield step
+    finally:
+        _delete_guard_run(name, user, feature, provider)
+
+
+def _delete_guard_run(name: str, user, feature: Feature, provider: Provider) -> None:
+    rows = TokenLog.objects.filter(request_id__startswith=f"{name}-")
+    request_ids = list(rows.values_list("request_id", flat=True))
+    counter_keys = {key for keys in rows.values_list("counter_keys", flat=True) for key in keys}
+    store = guard.counter_store()
+    markers = [m for rid in request_ids for m in (store.admitted_marker(rid), store.settled_marker(rid))]
+    # Counters first: they are keyed by this run's user and provider ids, so nothing real is lost.
+    _delete_keys(store.client, sorted(counter_keys) + markers)
+    rows.delete()  # TokenLog protects its feature, provider and price
+    feature.delete()
+    provider.delete()  # and its price
+    user.delete()  # and its quotas
+
+
+# --- timing -------------------------------------------------------------------------------------
+
+
+def time_steps(step: Step, n: int, warmup: int) -> tuple[list[float], float]:
+    """Per-step latencies in ms after `warmup` untimed steps, and the wall time of the timed ones."""
+    for i in range(warmup):
+        step(i)
+    latencies_ms: list[float] = []
+    started = time.perf_counter()
+    for i in range(warmup, warmup + n):
+        before = time.perf_counter()
+        step(i)
+        latencies_ms.append((time.perf_counter() - before) * 1000)
+    return latencies_ms, time.perf_counter() - started
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile: a value that was really measured, never an interpolation."""
+    rank = max(1, math.ceil(q * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def summarize(level: str, latencies_ms: list[float], wall_s: float, database: str | None) -> LevelResult:
+    ordered = sorted(latencies_ms)
+    p99 = percentile(ordered, 0.99)
+    rate = len(ordered) / wall_s
+    return LevelResult(
+        level=level,
+        n=len(ordered),
+        warmup=WARMUP,
+        p50_ms=percentile(ordered, 0.50),
+        p99_ms=p99,
+        mean_ms=sum(ordered) / len(ordered),
+        max_ms=ordered[-1],
+        admissions_per_s=rate,
+        p99_target_met=p99 <= TARGET_P99_MS,
+        throughput_target_met=rate >= TARGET_ADMISSIONS_PER_S,
+        database=database,
+    )
+
+
+# --- small helpers ------------------------------------------------------------------------------
+
+
+def _json_target(json_path: str | None) -> Path | None:
+    # Checked before the run, so a typo does not cost a whole benchmark.
+    if json_path is None:
+        return None
+    target = Path(json_path)
+    if not target.parent.is_dir():
+        raise CommandError(f"--json {json_path!r}: the folder {str(target.parent)!r} does not exist")
+    if target.is_dir():
+        raise CommandError(f"--json {json_path!r} is a folder; give a file name")
+    return target
+
+
+def _reachable_store() -> CounterStore:
+    store = guard.counter_store()
+    try:
+        store.client.ping()
+    except redis.RedisError as exc:
+        raise CommandError(f"Redis does not answer at REDIS_URL: {exc}") from exc
+    return store
+
+
+def _require_ok(status: str, request_id: str) -> None:
+    # A refusal would time a different (shorter) path and make the numbers meaningless.
+    if status != "ok":
+        raise CommandError(f"the guard did not admit {request_id} ({status}); the benchmark needs every admission granted")
+
+
+def _delete_keys(client: redis.Redis, keys: list[str], batch: int = 1000) -> None:
+    for start in range(0, len(keys), batch):
+        client.unlink(*keys[start : start + batch])
+
+
+def _report(n: int, results: list[LevelResult]) -> dict:
+    return {
+        "n": n,
+        "warmup": WARMUP,
+        "targets": {"p99_ms": TARGET_P99_MS, "admissions_per_s": TARGET_ADMISSIONS_PER_S},
+        "levels": {r.level: asdict(r) for r in results},
+    }
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "NOT met"
+
+
+def _vendor_name(vendor: str) -> str:
+    return {"postgresql": "PostgreSQL", "sqlite": "SQLite"}.get(vendor, vendor)

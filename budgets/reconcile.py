@@ -1,0 +1,45 @@
+"""Reconciliation: requests a crashed worker left "running" are failed and their reservations freed."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import close_old_connections
+from django.utils import timezone
+
+from .actions import Usage, do_record_usage
+from .guard import settle
+from .models import TokenLog
+
+log = logging.getLogger(__name__)
+
+
+def release_lost_requests(now=None) -> int:
+    """Fail every request still running past the reservation TTL and settle it. Idempotent."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=settings.CEILING_RESERVATION_TTL_S)
+    released = 0
+    for row in TokenLog.objects.filter(status=TokenLog.Status.RUNNING, created_at__lt=cutoff).iterator():
+        error = f"no worker finished this request within {settings.CEILING_RESERVATION_TTL_S} s"
+        # Tokens the lost worker may have produced are unknown to the ledger; count none.
+        if do_record_usage(row.request_id, status=TokenLog.Status.FAILED, usage=Usage(row.prompt_tokens, 0), error=error):
+            row.refresh_from_db()
+            if row.admitted:
+                settle(row)
+            released += 1
+    if released:
+        log.warning("reconciliation released %d lost request(s)", released)
+    return released
+
+
+def reconcile_forever(stop: threading.Event, every_s: float = 60.0) -> None:
+    """Run in each worker: several workers doing it at once is safe (settling is idempotent)."""
+    while not stop.wait(every_s):
+        try:
+            close_old_connections()
+            release_lost_requests()
+        except Exception:  # noqa: BLE001 - reconciliation must never take the worker down
+            log.exception("reconciliation failed")

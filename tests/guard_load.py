@@ -1,0 +1,44 @@
+"""Run admissions from a separate process: `python -m tests.guard_load USER_ID FEATURE_ID COUNT THREADS PROMPT MAX`.
+
+Prints one JSON line {"admitted": n, "refused": n, "codes": {...}}. Used by the guard tests to
+hit the same caps from several processes at once (DATABASE_URL / REDIS_URL come from the caller).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+
+def main(user_id: int, feature_id: int, count: int, threads: int, prompt: int, max_tokens: int) -> dict:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+    import django
+
+    django.setup()
+    from django.contrib.auth.models import User
+    from django.db import connection
+
+    from budgets.guard import AdmissionRequest, admit
+    from budgets.models import Feature
+
+    user, feature = User.objects.get(pk=user_id), Feature.objects.get(pk=feature_id)
+
+    def one(_: int) -> str:
+        try:
+            decision = admit(AdmissionRequest(uuid.uuid4().hex, user, feature, "test-model", prompt, max_tokens))
+            return "admitted" if decision.admitted else decision.code
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(threads) as pool:
+        outcomes = Counter(pool.map(one, range(count)))
+    admitted = outcomes.pop("admitted", 0)
+    return {"admitted": admitted, "refused": sum(outcomes.values()), "codes": dict(outcomes)}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(*(int(arg) for arg in sys.argv[1:7]))))
