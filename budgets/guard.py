@@ -327,7 +327,10 @@ def refusal_text(ceiling: Ceiling, result: AdmitResult, now: datetime) -> tuple[
             f"Requests resume {describe_reset(ceiling.period, now)}."
         )
     elif ceiling.scope == "loop":
-        message = f"This loop has used {amount}; it may not call the model again."
+        if metric == "requests":
+            message = f"This loop has made {spent:,} of its {result.refused_limit:,} allowed model calls; it stops here."
+        else:
+            message = f"This loop has spent {amount} allowed, and the next call could cost more; it stops here."
     else:
         verb = {"requests": "made", "tokens": "used", "cost": "spent"}[metric]
         message = f"You have {verb} {amount} {when}"

@@ -79,6 +79,9 @@
         );
         statusLine.textContent = "Ready.";
         break;
+      case "notice":
+        addItem("notice", frame.message);
+        break;
       case "refused":
         history.pop();
         addItem("notice", frame.message);

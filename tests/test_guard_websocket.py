@@ -1,0 +1,91 @@
+"""Every refusal reaches the chat socket as a readable sentence; nearing a cap is announced."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from budgets.models import ModelPrice, Provider, Quota, TokenLog
+from tests.conftest import session_cookie
+from tests.wsclient import chat_frame, chat_socket, next_frame, read_until_end, send
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def clean_counters(redis_db):
+    for key in redis_db.scan_iter(match="ceiling:c:*"):
+        redis_db.delete(key)
+
+
+def refusal_after(live_stack, cookie, frames_before: int, frame: dict | None = None) -> tuple[list[list[dict]], dict]:
+    async def scenario():
+        async with chat_socket(live_stack, cookie) as ws:
+            answered = []
+            for _ in range(frames_before):
+                await send(ws, frame or chat_frame("Say yes.", 2))
+                answered.append(await read_until_end(ws))
+            await send(ws, frame or chat_frame("Say yes.", 2))
+            return answered, await next_frame(ws)
+
+    return asyncio.run(scenario())
+
+
+def test_the_daily_request_cap_is_a_sentence_with_numbers(live_stack, alice, chat_feature):
+    Quota.objects.create(period="day", max_requests=2)
+    answered, refused = refusal_after(live_stack, session_cookie(alice), 2)
+    assert [frames[-1]["type"] for frames in answered] == ["done", "done"]
+    assert any(f["type"] == "notice" for f in answered[1])  # 100% of the cap after the second
+    assert refused["type"] == "refused" and refused["code"] == "user_requests_per_day"
+    assert refused["message"].startswith("You have made 2 of your 2 requests for today.")
+    assert "resets at 00:00" in refused["message"]
+    assert 0 < refused["retry_after_s"] <= 86400
+    assert TokenLog.objects.filter(status=TokenLog.Status.REFUSED, refusal_code="user_requests_per_day").count() == 1
+
+
+def test_the_daily_token_cap_cuts_max_tokens_then_refuses(live_stack, alice, chat_feature):
+    Quota.objects.create(period="day", max_tokens=60)
+    cookie = session_cookie(alice)
+
+    async def scenario():
+        async with chat_socket(live_stack, cookie) as ws:
+            await send(ws, chat_frame("Hi", 200))
+            first = await read_until_end(ws)
+            await send(ws, chat_frame("Hi", 200))
+            return first, await next_frame(ws)
+
+    first, refused = asyncio.run(scenario())
+    accepted = first[0]
+    assert accepted["max_tokens"] == 60 - accepted["prompt_tokens"]  # min(asked, what the allowance permits)
+    assert refused["code"] == "user_tokens_per_day"
+    assert "of your 60 tokens for today" in refused["message"]
+
+
+def test_a_feature_cap_names_the_feature(live_stack, alice, chat_feature):
+    Quota.objects.create(feature=chat_feature, period="month", max_requests=1)
+    _, refused = refusal_after(live_stack, session_cookie(alice), 1)
+    assert refused["code"] == "feature_requests_per_month"
+    assert "on 'chat'" in refused["message"] and "for this month" in refused["message"]
+
+
+def test_the_provider_spend_limit_refuses_everyone(live_stack, alice, bob, chat_feature):
+    provider = Provider.default()
+    provider.monthly_limit_micro_usd = 1
+    provider.save()
+    ModelPrice.objects.create(
+        provider=provider, model="SmolLM2-135M-Instruct", input_per_million_micro_usd=1_000_000,
+        output_per_million_micro_usd=1_000_000, effective_from=datetime(2026, 1, 1, tzinfo=ZoneInfo("UTC")),
+    )
+    _, refused = refusal_after(live_stack, session_cookie(bob), 0)
+    assert refused["code"] == "provider_spend"
+    assert "The provider 'local' has reached its monthly spend limit" in refused["message"]
+
+
+def test_a_loop_id_carries_a_call_budget(live_stack, alice, chat_feature, settings):
+    frame = chat_frame("Say yes.", 2, loop_id="agent-run-7")
+    _, refused = refusal_after(live_stack, session_cookie(alice), 10, frame)  # CEILING_LOOP_MAX_CALLS = 10
+    assert refused["code"] == "loop_calls"
+    assert refused["message"].startswith("This loop has made 10 of its 10 allowed model calls")
