@@ -36,8 +36,13 @@ def do_admit_request(
     )
     decision = admit(request)
     if decision.admitted:
-        Transcript.objects.create(log=decision.log, messages=messages, prompt_ids=prompt_ids)
+        store_prompt(decision.log, messages, prompt_ids)
     return decision
+
+
+def store_prompt(log: TokenLog, messages: list[dict], prompt_ids: list[int]) -> Transcript:
+    """What the worker will read: the prompt of an admitted request."""
+    return Transcript.objects.create(log=log, messages=messages, prompt_ids=prompt_ids)
 
 
 @transaction.atomic

@@ -35,6 +35,20 @@ def generate(request_id: str) -> None:
     run_generation(request_id)
 
 
+@shared_task(name="inference.refine", queue="inference", ignore_result=True, acks_late=False,
+             time_limit=settings.CEILING_TASK_TIME_LIMIT_S * 4)
+def refine(user_id: int, feature_id: int, question: str, max_calls: int = 3) -> None:
+    """Draft → critique → revise under a loop budget; every call is in the ledger with one loop_id."""
+    from django.contrib.auth import get_user_model
+
+    from budgets.models import Feature
+
+    from .refine import refine_answer
+
+    user = get_user_model().objects.get(pk=user_id)
+    refine_answer(user, Feature.objects.get(pk=feature_id), question, max_calls=max_calls)
+
+
 @worker_init.connect
 def start_engine_with_worker(**_: object) -> None:
     """One engine per worker process, loaded before the worker takes its first task."""

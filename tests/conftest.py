@@ -147,3 +147,12 @@ def _no_async_unsafe_leak():
     # Playwright's sync API runs an event loop in the test thread; only the browser tests opt in.
     yield
     os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_in_process_engine():
+    """Tests that run generation in-process start this process's engine; stop it while logging still works."""
+    yield
+    from inference.engine import shutdown_engine
+
+    shutdown_engine()
