@@ -63,8 +63,8 @@ def redis_db():
     client.close()
 
 
-@pytest.fixture(scope="session")
-def live_stack(django_db_setup, redis_db) -> Stack:
+def start_stack(redis_client: redis.Redis, name: str, worker_name: str) -> tuple[Stack, list[subprocess.Popen]]:
+    """A daphne and a Celery worker on the test database, started as `make run` starts them."""
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     port = stack.free_port()
     env = stack.child_env(
@@ -74,15 +74,26 @@ def live_stack(django_db_setup, redis_db) -> Stack:
         CEILING_FIRST_TOKEN_TIMEOUT_S="60",
     )
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
-    daphne_log, worker_log = LOG_DIR / "daphne.log", LOG_DIR / "worker.log"
+    daphne_log, worker_log = LOG_DIR / f"{name}-daphne.log", LOG_DIR / f"{name}-worker.log"
+    workers_before = len(engine_stats(redis_client))
     processes = [
-        subprocess.Popen(stack.worker_argv(WORKER_CONCURRENCY, "test-inference@%h"), env=env, stdout=worker_log.open("w"), stderr=subprocess.STDOUT),
+        subprocess.Popen(stack.worker_argv(WORKER_CONCURRENCY, worker_name), env=env, stdout=worker_log.open("w"), stderr=subprocess.STDOUT),
         subprocess.Popen(stack.daphne_argv("127.0.0.1", port), env=env, stdout=daphne_log.open("w"), stderr=subprocess.STDOUT),
     ]
     try:
         stack.wait_until(lambda: stack.port_answers("127.0.0.1", port), timeout=60, what="daphne")
-        stack.wait_until(lambda: bool(engine_stats(redis_db)), timeout=180, what="the worker's engine")
-        yield Stack("127.0.0.1", port, daphne_log, worker_log)
+        stack.wait_until(lambda: len(engine_stats(redis_client)) > workers_before, timeout=180, what="the worker's engine")
+    except BaseException:
+        stack.stop_all(processes)
+        raise
+    return Stack("127.0.0.1", port, daphne_log, worker_log), processes
+
+
+@pytest.fixture(scope="session")
+def live_stack(django_db_setup, redis_db) -> Stack:
+    live, processes = start_stack(redis_db, "main", "test-inference@%h")
+    try:
+        yield live
     finally:
         stack.stop_all(processes)
 
