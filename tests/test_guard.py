@@ -149,6 +149,38 @@ def test_counters_wiped_under_load_are_rebuilt_from_the_ledger_with_no_overshoot
     assert used.requests + reserved.requests == 40
 
 
+def test_a_real_flushall_under_load_admits_nothing_extra(alice, chat_feature, settings, tmp_path):
+    """A private redis-server, FLUSHALLed while 16 threads are admitting: the cap still holds exactly."""
+    import threading
+
+    import redis as redis_lib
+
+    server, url = stack.start_private_redis(tmp_path)
+    settings.REDIS_URL = url
+    counter_store.cache_clear()
+    try:
+        Quota.objects.create(period="day", max_requests=60)
+        flushed = threading.Event()
+
+        def flush_soon():
+            time.sleep(0.05)
+            redis_lib.Redis.from_url(url).flushall()
+            flushed.set()
+
+        flusher = threading.Thread(target=flush_soon)
+        flusher.start()
+        decisions = admit_in_threads([request(alice, chat_feature) for _ in range(150)])
+        flusher.join()
+        assert flushed.is_set()
+        assert sum(d.admitted for d in decisions) == 60
+        state, (used, reserved) = counter_and_ledger(alice, chat_feature)
+        assert (state.used, state.reserved) == (used, reserved)
+        assert reserved.requests == 60
+    finally:
+        counter_store.cache_clear()
+        stack.stop_all([server])
+
+
 def test_unreachable_redis_refuses_fast_with_guard_unavailable(alice, chat_feature, settings):
     settings.REDIS_URL = f"redis://127.0.0.1:{stack.free_port()}/0"
     counter_store.cache_clear()
