@@ -1,8 +1,10 @@
-"""Writes to the ledger. Each is atomic and idempotent by request_id."""
+"""Writes that change the ledger or the alert outbox. Each is atomic and safe to replay:
+ledger rows are keyed by request_id, alerts by (scope, threshold, period) and claimed once."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
@@ -132,6 +134,19 @@ def do_claim_alert(alert_id: int) -> Alert | None:
     if claimed != 1:
         return None
     return Alert.objects.get(id=alert_id)
+
+
+def do_requeue_unsent_alerts(stale_after_s: int = 300) -> int:
+    """The outbox sweeper: queue again every alert not sent yet, releasing claims a dead worker left.
+
+    Covers a broker that was away when the alert was raised and a worker that died mid-send.
+    """
+    now = timezone.now()
+    Alert.objects.filter(sent_at__isnull=True, claimed_at__lt=now - timedelta(seconds=stale_after_s)).update(claimed_at=None)
+    waiting = list(Alert.objects.filter(sent_at__isnull=True, claimed_at__isnull=True).values_list("id", flat=True))
+    for alert_id in waiting:
+        _queue_alert_email(alert_id)
+    return len(waiting)
 
 
 def do_mark_alert_sent(alert_id: int, error: str = "") -> bool:

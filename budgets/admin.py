@@ -37,11 +37,15 @@ class QuotaAdmin(admin.ModelAdmin):
 
 @admin.register(Alert)
 class AlertAdmin(admin.ModelAdmin):
-    list_display = ["scope", "threshold", "period_key", "spent_micro_usd", "limit_micro_usd", "created_at", "sent_at", "error"]
+    list_display = [
+        "scope", "threshold", "period_key", "spent_micro_usd", "limit_micro_usd", "created_at", "sent_at", "error"
+    ]
     list_filter = ["period_key", "threshold"]
     search_fields = ["scope"]
     # The outbox's bookkeeping belongs to the email task; staff may read it, or clear an error.
-    readonly_fields = ["scope", "threshold", "period_key", "spent_micro_usd", "limit_micro_usd", "created_at", "claimed_at", "sent_at"]
+    readonly_fields = [
+        "scope", "threshold", "period_key", "spent_micro_usd", "limit_micro_usd", "created_at", "claimed_at", "sent_at"
+    ]
 
 
 @admin.register(Feature)

@@ -20,6 +20,7 @@ from django.utils import timezone
 
 from .actions import do_claim_alert, do_mark_alert_sent, do_raise_alert
 from .models import Alert, Period, Provider, TokenLog
+from .money import format_usd
 from .periods import period_bounds, period_key
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,8 @@ class AlertNotSent(RuntimeError):
 def check_provider_thresholds(provider_id: int, at: datetime | None = None) -> list[int]:
     """Raise an Alert for every threshold the provider's spend this month has reached; new ids.
 
-    Thresholds already alerted this month create nothing. A provider without a limit (or with a
-    zero limit, which the guard enforces by refusing everything) has nothing to be alerted about.
+    Thresholds already alerted this month create nothing. A provider without a limit has nothing
+    to be alerted about, nor has one with a zero limit (no share of $0 is worth an email).
     """
     at = at or timezone.now()
     provider = Provider.objects.filter(pk=provider_id).first()
@@ -64,8 +65,10 @@ def check_provider_thresholds(provider_id: int, at: datetime | None = None) -> l
 
 
 def check_provider_thresholds_safely(provider_id: int) -> list[int]:
-    """check_provider_thresholds for the settling path: an alert problem is logged, never raised,
-    because a request must be settled whatever happens to its alert (the next settle checks again)."""
+    """check_provider_thresholds for the settling path: a problem is logged, never raised.
+
+    A request must be settled whatever happens to its alert; the next settle checks again.
+    """
     try:
         return check_provider_thresholds(provider_id)
     except Exception:
@@ -148,18 +151,19 @@ def alert_email(alert: Alert) -> tuple[str, str]:
     what = describe_scope(alert.scope)
     subject = f"[Ceiling] {what} at {alert.threshold}% of its monthly limit"
     percent = alert.spent_micro_usd * 100 // alert.limit_micro_usd if alert.limit_micro_usd else 0
+    crossed_at = timezone.localtime(alert.created_at)
     lines = [
-        f"The {what} has spent {dollars(alert.spent_micro_usd)} of its {dollars(alert.limit_micro_usd)} "
+        f"The {what} has spent {format_usd(alert.spent_micro_usd)} of its {format_usd(alert.limit_micro_usd)} "
         f"monthly limit in {alert.period_key} ({percent}%).",
         "",
-        f"It crossed the {alert.threshold}% alert threshold on {timezone.localtime(alert.created_at):%Y-%m-%d at %H:%M %Z}.",
+        f"It crossed the {alert.threshold}% alert threshold on {crossed_at:%Y-%m-%d at %H:%M %Z}.",
     ]
     if alert.threshold >= 100:
         lines.append("New requests to it are refused until the limit resets at the start of next month.")
     lines += [
         "",
-        "You get this email once per threshold and month. Limits, thresholds and recipients are set",
-        "on the provider in the staff dashboard.",
+        "You get this email once per threshold and month. The limit, thresholds and recipients are",
+        "settings of the provider (staff dashboard, or /admin/).",
     ]
     return subject, "\n".join(lines) + "\n"
 
@@ -168,11 +172,6 @@ def describe_scope(scope: str) -> str:
     if scope.startswith(PROVIDER_SCOPE):
         return f"provider {scope.removeprefix(PROVIDER_SCOPE)!r}"
     return scope
-
-
-def dollars(micro_usd: int) -> str:
-    """$1,234.56 from integer micro-dollars (formatting only: the arithmetic stays integer)."""
-    return f"${micro_usd / 1_000_000:,.2f}"
 
 
 def _split(addresses: str) -> list[str]:

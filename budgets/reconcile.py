@@ -1,4 +1,5 @@
-"""Reconciliation: requests a crashed worker left "running" are failed and their reservations freed."""
+"""Reconciliation: requests a crashed worker left "running" are failed and their reservations
+freed, and alerts that were never emailed are queued again."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
 
-from .actions import Usage, do_record_usage
+from .actions import Usage, do_record_usage, do_requeue_unsent_alerts
 from .guard import settle
 from .models import TokenLog
 
@@ -41,5 +42,6 @@ def reconcile_forever(stop: threading.Event, every_s: float = 60.0) -> None:
         try:
             close_old_connections()
             release_lost_requests()
+            do_requeue_unsent_alerts()
         except Exception:  # noqa: BLE001 - reconciliation must never take the worker down
             log.exception("reconciliation failed")

@@ -52,7 +52,8 @@ def worker_argv(concurrency: int, hostname: str = "inference@%h") -> list[str]:
         "--concurrency",
         str(concurrency),
         "--queues",
-        "inference",
+        # "inference" holds the engine's work; "default" the small jobs (alert emails).
+        "inference,default",
         "--hostname",
         hostname,
         "--loglevel",
