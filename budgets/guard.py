@@ -25,6 +25,7 @@ from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
 from .counters import AdmitResult, CounterSpec, CounterStore, Limits, Usage
+from .live import publish_on_commit
 from .models import Feature, ModelPrice, Period, Provider, Quota, TokenLog
 from .money import format_usd
 from .periods import describe_reset, period_bounds, period_key, seconds_until_reset
@@ -259,6 +260,7 @@ def _refuse(row: TokenLog, code: str, message: str, retry_after_s: int | None) -
         max_tokens=0,
         finished_at=now,
     )
+    publish_on_commit(row.request_id)
     return Decision(False, row.request_id, code=code, message=message, retry_after_s=retry_after_s)
 
 

@@ -11,11 +11,12 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402 - needs Django set u
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
-from inference.routing import websocket_urlpatterns  # noqa: E402
+from budgets.routing import websocket_urlpatterns as budget_sockets  # noqa: E402
+from inference.routing import websocket_urlpatterns as inference_sockets  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(inference_sockets + budget_sockets))),
     }
 )

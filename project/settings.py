@@ -183,6 +183,7 @@ STATIC_ROOT = VAR_DIR / "static"
 # WhiteNoise serves static/ straight from the source folders (no collectstatic step for `make run`);
 # at scale a proxy or CDN can serve `collectstatic` output instead.
 WHITENOISE_USE_FINDERS = True
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # WhiteNoise warns on every request when it is missing
 WHITENOISE_AUTOREFRESH = DEBUG
 
 # --- Redis: Celery broker, channel layer, engine stats, cancellation ------------------------

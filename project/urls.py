@@ -6,5 +6,6 @@ urlpatterns = [
     path("", RedirectView.as_view(url="/chat/", permanent=False)),
     path("accounts/", include("accounts.urls")),
     path("", include("inference.urls")),
+    path("", include("budgets.urls")),
     path("admin/", admin.site.urls),
 ]

@@ -43,13 +43,13 @@ def page(tmp_path):
         connections.close_all()
 
 
-def log_in(page, live_stack, username: str, password: str) -> None:
-    page.goto(f"{live_stack.http_url}/chat/")
+def log_in(page, live_stack, username: str, password: str, landing: str = "/chat/") -> None:
+    page.goto(f"{live_stack.http_url}{landing}")
     assert "/accounts/login/" in page.url
     page.fill("#id_username", username)
     page.fill("#id_password", password)
     page.click("button[type=submit]")
-    page.wait_for_url("**/chat/")
+    page.wait_for_url(f"**{landing}")
 
 
 def test_a_user_logs_in_chats_and_sees_the_answer_stream(live_stack, page, alice, chat_feature):

@@ -1,0 +1,6 @@
+"""Staff dashboard and the end user's usage page, one module per area:
+
+- overview.py: the overview and the live charts (pushed over /ws/dashboard/)
+- config.py: users and quotas, defaults, features, providers, prices, audit trail
+- logs.py: cost per user (the long tail), the token log browser with CSV export, "my usage"
+"""

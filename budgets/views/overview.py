@@ -1,0 +1,55 @@
+"""The staff overview and the live charts. Figures start from SQL aggregates (budgets/charts.py);
+the page's JS then folds in one point per settled request pushed over /ws/dashboard/."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import render
+from django.utils import timezone
+
+from .. import charts
+from ..money import format_usd
+from ..permissions import staff_required
+
+
+@staff_required
+def overview(request: HttpRequest) -> HttpResponse:
+    now = timezone.now()
+    spend = charts.provider_spend_this_month(now)
+    by_feature = charts.tokens_today_by_feature(now)
+    data = {
+        "providers": [asdict(p) for p in spend],
+        "features": by_feature,
+        "ttft": charts.ttft_percentiles(now),
+    }
+    context = {
+        "spend": [(p, format_usd(p.spent_micro_usd), format_usd(p.limit_micro_usd) if p.limit_micro_usd else "no limit") for p in spend],
+        "features": by_feature,
+        "last_hour": charts.last_hour_counts(now),
+        "alerts": charts.alerts_this_month(now),
+        "ttft": data["ttft"],
+        "overview_data": data,
+    }
+    return render(request, "budgets/overview.html", context)
+
+
+@staff_required
+def charts_page(request: HttpRequest) -> HttpResponse:
+    range_name = request.GET.get("range", "24h")
+    if range_name not in charts.RANGES:
+        range_name = "24h"
+    now = timezone.now()
+    series = charts.feature_series(now, range_name)
+    back = charts.RANGES[range_name][0]
+    data = {
+        "range": range_name,
+        "x_range": [(now - back).isoformat(), now.isoformat()],
+        "bucket_s": int(charts.RANGES[range_name][2].total_seconds()),
+        "series": {name: asdict(s) for name, s in series.items()},
+        "refusals": asdict(charts.refusal_series(now, range_name)),
+    }
+    return render(request, "budgets/charts.html", {"charts_data": data, "range": range_name})
+
+
