@@ -3,14 +3,17 @@ ledger rows are keyed by request_id, alerts by (scope, threshold, period) and cl
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
+from decimal import Decimal
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, models, transaction
 from django.utils import timezone
 
-from .models import Alert, Feature, TokenLog
+from .live import publish_on_commit
+from .models import Alert, AuditEntry, Feature, Quota, TokenLog
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ def do_log_refusal(
     now = timezone.now()
     try:
         with transaction.atomic():
-            return TokenLog.objects.create(
+            row = TokenLog.objects.create(
                 request_id=request_id,
                 user=user,
                 feature=feature,
@@ -50,6 +53,8 @@ def do_log_refusal(
             )
     except IntegrityError:
         return TokenLog.objects.get(request_id=request_id)
+    publish_on_commit(request_id)
+    return row
 
 
 def do_record_usage(
@@ -83,6 +88,8 @@ def do_record_usage(
         total_ms=total_ms,
         finished_at=now,
     )
+    if updated == 1:
+        publish_on_commit(request_id)
     return updated == 1
 
 
@@ -158,3 +165,128 @@ def do_mark_alert_sent(alert_id: int, error: str = "") -> bool:
     if error:
         return held.update(claimed_at=None, error=error[:500]) == 1
     return held.update(sent_at=timezone.now(), error="") == 1
+
+
+# --- configuration changes and their audit trail ----------------------------------------------------
+
+QUOTA_FIELDS = ("max_requests", "max_tokens", "max_cost_micro_usd")
+_ABSENT = object()  # a user scope without a row of its own: the default applies
+
+
+def audit_text(field: str, value: object) -> str:
+    """How a value reads in the audit trail: exact dollars for money, "no cap" for an empty limit."""
+    if value is _ABSENT:
+        return "default"
+    if value is None:
+        return "no cap" if field.startswith("max_") or field.endswith("_micro_usd") else "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if field.endswith("_micro_usd") and isinstance(value, int):
+        return exact_usd(value)
+    if isinstance(value, datetime):
+        return timezone.localtime(value).isoformat(timespec="seconds")
+    if isinstance(value, (list, tuple)):
+        return ", ".join(str(item) for item in value)
+    return str(value)
+
+
+def exact_usd(micro_usd: int) -> str:
+    """$1.50, $0.000001: unlike format_usd, a change of one micro-dollar shows in the trail."""
+    whole, fraction = f"{Decimal(micro_usd) / 1_000_000:,.6f}".split(".")
+    return f"${whole}.{fraction.rstrip('0').ljust(2, '0')}"
+
+
+def audit_field(field: str) -> str:
+    # The values are shown in dollars, so the unit suffix of the column would mislead.
+    return field.removesuffix("_micro_usd")
+
+
+def snapshot(instance: models.Model, fields: Iterable[str]) -> dict[str, object]:
+    """The values to compare against after a form has changed the instance (take it before binding)."""
+    return {name: getattr(instance, name) for name in fields}
+
+
+def do_save_with_audit(
+    actor: AbstractBaseUser | None,
+    instance: models.Model,
+    fields: Sequence[str],
+    before: dict[str, object] | None,
+    *,
+    target: str,
+) -> list[AuditEntry]:
+    """Save `instance` and write one AuditEntry per changed field, in one transaction.
+
+    `before` is snapshot() taken before a form touched the instance; None means a new row, whose
+    every field is recorded. Only the fields that differ from `before` (what this person changed)
+    are saved, so a concurrent edit of other fields is not overwritten; the trail's "before" is
+    read from the locked row, so it says what this save really replaced. No change, no write.
+    """
+    if before is None:
+        with transaction.atomic():
+            instance.save()
+            return _record(actor, "create", target, {name: ("", audit_text(name, getattr(instance, name))) for name in fields})
+    touched = [name for name in fields if getattr(instance, name) != before[name]]
+    if not touched:
+        return []
+    with transaction.atomic():
+        current = snapshot(type(instance)._default_manager.select_for_update().get(pk=instance.pk), touched)
+        changed = [name for name in touched if getattr(instance, name) != current[name]]
+        if not changed:
+            return []
+        instance.save(update_fields=changed)
+        changes = {name: (audit_text(name, current[name]), audit_text(name, getattr(instance, name))) for name in changed}
+        return _record(actor, "update", target, changes)
+
+
+def _record(actor: AbstractBaseUser | None, action: str, target: str, changes: dict[str, tuple[str, str]]) -> list[AuditEntry]:
+    """One AuditEntry per field: {field: (before, after)} as people read them."""
+    entries = [
+        AuditEntry(actor=actor, action=action, target=target, field=audit_field(name), before=before, after=after)
+        for name, (before, after) in changes.items()
+    ]
+    return AuditEntry.objects.bulk_create(entries)
+
+
+def quota_target(user: AbstractBaseUser | None, feature: Feature | None, period: str) -> str:
+    return f"quota {user.get_username() if user else 'default'}/{feature.name if feature else 'all'}/{period}"
+
+
+def do_set_quota(
+    actor: AbstractBaseUser | None,
+    *,
+    user: AbstractBaseUser | None,
+    feature: Feature | None,
+    period: str,
+    caps: dict[str, int | None] | None,
+) -> list[AuditEntry]:
+    """Give one scope (user or default, feature or all, period) its caps and record each changed cap.
+
+    caps None removes the scope's row: a user then follows the default again. A default row with
+    no cap at all means the same as no row, so it is removed too. A user's row replaces the
+    default for its period as a whole, which is why a missing user row reads "default" in the trail.
+    """
+    # For everyone, no row means no cap; for a user it means "whatever the default says".
+    absent = _ABSENT if user is not None else None
+    if user is None and caps is not None and all(value is None for value in caps.values()):
+        caps = None
+    with transaction.atomic():
+        # Locked so that `before` is what this change really replaced.
+        quota = Quota.objects.select_for_update().filter(user=user, feature=feature, period=period).first()
+        before = {name: getattr(quota, name) if quota else absent for name in QUOTA_FIELDS}
+        after = {name: caps[name] if caps is not None else absent for name in QUOTA_FIELDS}
+        changed = [name for name in QUOTA_FIELDS if before[name] != after[name]]
+        if caps is None:
+            action = "delete"
+            if quota is not None:
+                quota.delete()
+        elif quota is None:
+            action = "create"
+            Quota.objects.create(user=user, feature=feature, period=period, **caps)
+        else:
+            action = "update"
+            for name in changed:
+                setattr(quota, name, caps[name])
+            if changed:
+                quota.save(update_fields=changed)
+        changes = {name: (audit_text(name, before[name]), audit_text(name, after[name])) for name in changed}
+        return _record(actor, action, quota_target(user, feature, period), changes)

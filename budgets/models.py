@@ -51,7 +51,14 @@ class ModelPrice(models.Model):
     input_per_million_micro_usd = models.PositiveBigIntegerField(default=0)
     output_per_million_micro_usd = models.PositiveBigIntegerField(default=0)
     cached_input_per_million_micro_usd = models.PositiveBigIntegerField(default=0)
+    context_window = models.PositiveIntegerField(null=True, blank=True)
     effective_from = models.DateTimeField()
+
+    class Source(models.TextChoices):
+        CATALOG = "catalog"  # imported from tokencost's model_prices.json
+        STAFF = "staff"  # typed by staff: an override the catalog import never replaces
+
+    source = models.CharField(max_length=16, choices=Source.choices, default=Source.STAFF)
 
     class Meta:
         constraints = [
@@ -201,3 +208,24 @@ class Alert(models.Model):
 
     def __str__(self) -> str:
         return f"{self.scope} {self.threshold}% {self.period_key}"
+
+
+class AuditEntry(models.Model):
+    """One changed field of one limit or setting: who changed it, from what to what, and when.
+
+    Written in the same transaction as the change (budgets.actions), so the trail never misses one.
+    """
+
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    action = models.CharField(max_length=16)  # create | update | delete
+    target = models.CharField(max_length=200)  # "quota alice/all/day", "feature chat", "provider local"
+    field = models.CharField(max_length=64)
+    before = models.TextField(blank=True)
+    after = models.TextField(blank=True)
+    at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["at"], name="auditentry_at_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.target} {self.field}: {self.before} → {self.after}"

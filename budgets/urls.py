@@ -1,11 +1,12 @@
 from django.urls import path
 
-from .views import config, logs, overview
+from .views import config, costmodel, logs, overview
 
 urlpatterns = [
     path("staff/", overview.overview, name="staff-overview"),
     path("staff/charts/", overview.charts_page, name="staff-charts"),
     path("staff/costs/", logs.cost_per_user, name="staff-costs"),
+    path("staff/costmodel/", costmodel.cost_model, name="staff-costmodel"),
     path("staff/logs/", logs.token_logs, name="staff-logs"),
     path("staff/users/", config.users, name="staff-users"),
     path("staff/users/<int:user_id>/", config.user_detail, name="staff-user"),

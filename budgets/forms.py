@@ -1,0 +1,331 @@
+"""The staff dashboard's forms: caps, features, providers and prices, typed in people's units.
+
+Money is typed in dollars (at most six decimals, so the conversion is exact) and kept as integer
+micro-dollars; alert thresholds are typed as "50, 80, 100". A form that is not valid changes nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+
+from django import forms
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import validate_email
+from django.utils import timezone
+
+from .actions import QUOTA_FIELDS
+from .models import Feature, ModelPrice, Period, Provider, Quota
+from .money import format_usd
+
+MAX_USD = Decimal("1000000000")  # far beyond any real cap, far below the bigint column
+MAX_REQUESTS = 2_147_483_647  # Quota.max_requests is a PositiveIntegerField
+MAX_TOKENS = 10**15  # counters are Lua numbers (doubles): stay well inside 2**53
+NOT_NEGATIVE = {"min_value": "A cap cannot be negative."}
+KNOWN_MODELS_SHOWN = 8  # in the "unknown model" error; a catalog provider can price hundreds
+
+
+def to_micro_usd(dollars: Decimal | None) -> int | None:
+    return None if dollars is None else int(dollars * 1_000_000)
+
+
+def dollars_text(micro_usd: int | None) -> str | None:
+    """"1.5", "10", "0.000123": what a dollar box shows for a stored amount."""
+    if micro_usd is None:
+        return None
+    return f"{Decimal(micro_usd) / 1_000_000:.6f}".rstrip("0").rstrip(".")
+
+
+class DollarsField(forms.DecimalField):
+    def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("max_digits", 16)
+        kwargs.setdefault("decimal_places", 6)
+        kwargs.setdefault("min_value", Decimal(0))
+        kwargs.setdefault("max_value", MAX_USD)
+        kwargs.setdefault("error_messages", {"min_value": "An amount in dollars cannot be negative."})
+        super().__init__(**kwargs)
+
+
+# --- caps ----------------------------------------------------------------------------------------
+
+
+def caps_of(quota: Quota | None) -> dict[str, int | None]:
+    return {name: getattr(quota, name) if quota else None for name in QUOTA_FIELDS}
+
+
+def describe_caps(caps: dict[str, int | None]) -> str:
+    """'100 requests · no token cap · $1.00' — for the Default column."""
+    requests, tokens, cost = (caps[name] for name in QUOTA_FIELDS)
+    if requests is None and tokens is None and cost is None:
+        return "no caps"
+    parts = [
+        f"{requests:,} requests" if requests is not None else "no request cap",
+        f"{tokens:,} tokens" if tokens is not None else "no token cap",
+        format_usd(cost) if cost is not None else "no cost cap",
+    ]
+    return " · ".join(parts)
+
+
+class CapsForm(forms.Form):
+    """The caps of one scope (a feature or all features) for one period; an empty box means no cap."""
+
+    max_requests = forms.IntegerField(
+        label="Requests", required=False, min_value=0, max_value=MAX_REQUESTS, error_messages=NOT_NEGATIVE
+    )
+    max_tokens = forms.IntegerField(
+        label="Tokens", required=False, min_value=0, max_value=MAX_TOKENS, error_messages=NOT_NEGATIVE
+    )
+    max_cost_usd = DollarsField(label="Cost ($)", required=False, error_messages=NOT_NEGATIVE)
+
+    number_fields = ("max_requests", "max_tokens", "max_cost_usd")
+
+    def __init__(self, *args, feature: Feature | None, period: str, current: Quota | None, **kwargs) -> None:
+        kwargs.setdefault("initial", self.initial_from(current))
+        super().__init__(*args, **kwargs)
+        self.feature, self.period = feature, period
+        scope = feature.name if feature else "all features"
+        for name in self.number_fields:
+            label = f"{self.fields[name].label} per {period}, {scope}"  # the table has no <label>s
+            self.fields[name].widget.attrs.update({"class": "cap-input", "placeholder": "no cap", "aria-label": label})
+        self.fields["max_cost_usd"].widget.attrs["step"] = "any"
+
+    @staticmethod
+    def initial_from(quota: Quota | None) -> dict:
+        caps = caps_of(quota)
+        return {
+            "max_requests": caps["max_requests"],
+            "max_tokens": caps["max_tokens"],
+            "max_cost_usd": dollars_text(caps["max_cost_micro_usd"]),
+        }
+
+    def entered_caps(self) -> dict[str, int | None]:
+        return {
+            "max_requests": self.cleaned_data.get("max_requests"),
+            "max_tokens": self.cleaned_data.get("max_tokens"),
+            "max_cost_micro_usd": to_micro_usd(self.cleaned_data.get("max_cost_usd")),
+        }
+
+    def caps(self) -> dict[str, int | None] | None:
+        """What to store for this scope; None: remove its row."""
+        return self.entered_caps()
+
+
+class UserCapsForm(CapsForm):
+    """A user's caps for one scope: follow the default, or their own caps, which replace it."""
+
+    source = forms.ChoiceField(
+        label="Caps", choices=[("default", "Default"), ("own", "Own")], widget=forms.Select(attrs={"class": "source"})
+    )
+
+    def __init__(self, *args, current: Quota | None, default: Quota | None, **kwargs) -> None:
+        # With no row of their own, the boxes show the default: switching to "Own" starts from it.
+        initial = {**self.initial_from(current or default), "source": "own" if current else "default"}
+        super().__init__(*args, current=current, initial=initial, **kwargs)
+        scope = self.feature.name if self.feature else "all features"
+        self.fields["source"].widget.attrs["aria-label"] = f"Caps per {self.period}, {scope}"
+        self.default_caps = caps_of(default)
+        self.is_own = current is not None
+
+    def clean(self) -> dict:
+        cleaned = super().clean()
+        typed = any(name in self.changed_data for name in self.number_fields)
+        complete = all(name in cleaned for name in self.number_fields)  # else a field error says it already
+        if cleaned.get("source") == "default" and typed and complete and self.entered_caps() != self.default_caps:
+            # Saving would silently drop what was typed: say so instead.
+            raise ValidationError("These numbers are not the default's: choose “Own” to keep them, or put the default back.")
+        return cleaned
+
+    def caps(self) -> dict[str, int | None] | None:
+        return None if self.cleaned_data["source"] == "default" else self.entered_caps()
+
+
+def caps_forms(
+    data, *, user, features: list[Feature], quotas: list[Quota]
+) -> list[CapsForm]:
+    """One form per scope: all features, then each feature; each per day and per month.
+
+    `quotas` are the default rows and (when `user` is given) that user's rows; no queries here.
+    """
+    rows = {(q.user_id is not None, q.feature_id, q.period): q for q in quotas}
+    forms_ = []
+    for feature in [None, *features]:
+        for period in Period.values:
+            feature_id = feature.pk if feature else None
+            prefix = f"{feature_id or 'all'}-{period}"
+            default = rows.get((False, feature_id, period))
+            if user is None:
+                form = CapsForm(data, prefix=prefix, feature=feature, period=period, current=default)
+            else:
+                own = rows.get((True, feature_id, period))
+                form = UserCapsForm(data, prefix=prefix, feature=feature, period=period, current=own, default=default)
+            forms_.append(form)
+    return forms_
+
+
+# --- features ------------------------------------------------------------------------------------
+
+
+class FeatureForm(forms.ModelForm):
+    class Meta:
+        model = Feature
+        fields = ["name", "description", "enabled", "max_input_tokens", "max_output_tokens", "provider"]
+        help_texts = {
+            "name": "What clients send as \"feature\": lowercase letters, digits, - and _. Renaming breaks clients that use the old name.",
+            "max_input_tokens": "Longer prompts are refused.",
+            "max_output_tokens": "The most tokens one answer may have.",
+        }
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["provider"].queryset = Provider.objects.order_by("name")
+        self.fields["provider"].empty_label = "the default provider (local)"
+
+
+# --- providers and prices ------------------------------------------------------------------------
+
+
+def parse_thresholds(text: str) -> list[int]:
+    """'50, 80, 100' → [50, 80, 100]: whole percents of the monthly limit, 1 to 100."""
+    values = []
+    for item in (part.strip().rstrip("%").strip() for part in re.split(r"[,;\s]+", text)):
+        if not item:
+            continue
+        if not item.isdigit():
+            raise ValidationError(f"“{item}” is not a whole percent; write thresholds like 50, 80, 100.")
+        value = int(item)
+        if value > 100:
+            raise ValidationError(f"A threshold above 100% is not allowed ({value}%): alerts are percents of the limit.")
+        if value < 1:
+            raise ValidationError("Thresholds are percents from 1 to 100.")
+        values.append(value)
+    return sorted(set(values))
+
+
+def parse_recipients(text: str) -> list[str]:
+    addresses = [part.strip() for part in re.split(r"[,;\s]+", text) if part.strip()]
+    for address in addresses:
+        try:
+            validate_email(address)
+        except ValidationError:
+            raise ValidationError(f"“{address}” is not an email address.") from None
+    return list(dict.fromkeys(addresses))
+
+
+class ProviderForm(forms.ModelForm):
+    monthly_limit_usd = DollarsField(label="Monthly limit ($)", required=False, help_text="Empty: no limit.")
+    thresholds = forms.CharField(
+        label="Alert thresholds (%)", required=False, help_text="Percents of the monthly limit, e.g. 50, 80, 100."
+    )
+    recipients = forms.CharField(
+        label="Alert recipients", required=False, help_text="Email addresses, separated by commas."
+    )
+
+    class Meta:
+        model = Provider
+        fields = ["name", "kind"]
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        provider = self.instance
+        if provider.pk:
+            self.initial.setdefault("monthly_limit_usd", dollars_text(provider.monthly_limit_micro_usd))
+            self.initial.setdefault("thresholds", ", ".join(str(t) for t in provider.alert_thresholds))
+            self.initial.setdefault("recipients", ", ".join(provider.recipients()))
+        else:
+            self.initial.setdefault("thresholds", "50, 80, 100")
+
+    def clean_name(self) -> str:
+        name = self.cleaned_data["name"]
+        # Provider.default() finds the local engine by this name; renaming it would make a new one.
+        if self.instance.pk and self.instance.name == "local" and name != "local":
+            raise ValidationError("The provider “local” is the default one; its name cannot change.")
+        return name
+
+    def clean_thresholds(self) -> list[int]:
+        return parse_thresholds(self.cleaned_data["thresholds"])
+
+    def clean_recipients(self) -> str:
+        return ", ".join(parse_recipients(self.cleaned_data["recipients"]))
+
+    def clean(self) -> dict:
+        cleaned = super().clean()
+        # The model keeps micro-dollars and a list; set them here so model validation sees them too.
+        if "monthly_limit_usd" in cleaned:
+            self.instance.monthly_limit_micro_usd = to_micro_usd(cleaned["monthly_limit_usd"])
+        if "thresholds" in cleaned:
+            self.instance.alert_thresholds = cleaned["thresholds"]
+        if "recipients" in cleaned:
+            self.instance.alert_recipients = cleaned["recipients"]
+        return cleaned
+
+
+class PriceForm(forms.Form):
+    """A new price from a moment on; old prices are never edited, so past costs stay right."""
+
+    model = forms.CharField(max_length=200, widget=forms.TextInput(attrs={"list": "known-models"}))
+    input_usd = DollarsField(label="Input ($ per million tokens)")
+    output_usd = DollarsField(label="Output ($ per million tokens)")
+    cached_input_usd = DollarsField(label="Cached input ($ per million tokens)", required=False, help_text="Empty: 0.")
+    effective_from = forms.DateTimeField(
+        required=False,
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"),
+        help_text=f"In {settings.TIME_ZONE}. Empty: from now on.",
+    )
+    new_model = forms.BooleanField(
+        label="This is a new model for this provider", required=False,
+        help_text="Needed for a model name this provider has no price for yet (a typo guard).",
+    )
+
+    def __init__(self, *args, provider: Provider, known_models: list[str], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.provider, self.known_models = provider, known_models
+
+    def clean_model(self) -> str:
+        return self.cleaned_data["model"].strip()
+
+    def clean(self) -> dict:
+        cleaned = super().clean()
+        model = cleaned.get("model")
+        if model and model not in self.known_models and not cleaned.get("new_model"):
+            shown = self.known_models[:KNOWN_MODELS_SHOWN]
+            known = ", ".join(shown) + (f" and {len(self.known_models) - len(shown)} more" if len(self.known_models) > len(shown) else "")
+            self.add_error(
+                "model",
+                f"Unknown model “{model}” for the provider {self.provider.name}; known: {known}. "
+                "Tick “new model” if this is a model it has not priced before.",
+            )
+        cleaned["effective_from"] = cleaned.get("effective_from") or timezone.now()
+        if model and ModelPrice.objects.filter(
+            provider=self.provider, model=model, effective_from=cleaned["effective_from"]
+        ).exists():
+            self.add_error("effective_from", "This model already has a price from that moment.")
+        return cleaned
+
+    def build(self) -> ModelPrice:
+        data = self.cleaned_data
+        return ModelPrice(
+            provider=self.provider,
+            model=data["model"],
+            input_per_million_micro_usd=to_micro_usd(data["input_usd"]),
+            output_per_million_micro_usd=to_micro_usd(data["output_usd"]),
+            cached_input_per_million_micro_usd=to_micro_usd(data["cached_input_usd"] or Decimal(0)),
+            effective_from=data["effective_from"],
+        )
+
+
+def known_models(provider: Provider) -> list[str]:
+    """The models this provider has prices for, and the model the local engine serves."""
+    names = set(provider.prices.order_by().values_list("model", flat=True).distinct()) | {settings.CEILING_MODEL_NAME}
+    return sorted(names)
+
+
+# --- lists ---------------------------------------------------------------------------------------
+
+
+class SearchForm(forms.Form):
+    q = forms.CharField(label="Search", required=False, max_length=150)
+
+
+class AuditFilterForm(forms.Form):
+    target = forms.CharField(label="Target", required=False, max_length=200)
