@@ -15,18 +15,24 @@ from dataclasses import dataclass
 
 import redis
 
+# KEYS of admit and settle: n counter hashes, then their n in-flight hashes, then one marker.
+# A counter's in-flight hash maps request id → "tokens,cost" reserved by that request. A counter
+# releases (and counts as used) only requests in its own in-flight hash: a counter rebuilt from the
+# ledger after a request was settled there already counts it as used, and must not count it twice.
+
 ADMIT_LUA = """
 -- Lua turns -0 into "-0", which HINCRBY rejects; format integers explicitly and skip zeros.
 local function incr(key, field, amount)
   if amount ~= 0 then redis.call('HINCRBY', key, field, string.format('%d', amount)) end
 end
-local n = #KEYS - 1
+local n = (#KEYS - 1) / 2
 local marker = KEYS[#KEYS]
 local marker_ttl = tonumber(ARGV[1])
 local prompt = tonumber(ARGV[2])
 local asked = tonumber(ARGV[3])
 local price_in = tonumber(ARGV[4])
 local price_out = tonumber(ARGV[5])
+local request_id = ARGV[6]
 if redis.call('EXISTS', marker) == 1 then return {'duplicate'} end
 local missing = {}
 for i = 1, n do
@@ -40,7 +46,7 @@ end
 local granted = asked
 local state = {}
 for i = 1, n do
-  local base = 5 + (i - 1) * 4
+  local base = 6 + (i - 1) * 4
   local lr, lt, lc = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
   local v = redis.call('HMGET', KEYS[i], 'ur', 'rr', 'ut', 'rt', 'uc', 'rc')
   local ur, rr, ut, rt, uc, rc = tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0,
@@ -66,13 +72,17 @@ for i = 1, n do
 end
 local tokens = prompt + granted
 local cost = math.ceil((prompt * price_in + granted * price_out) / 1000000)
+local held = string.format('%d,%d', tokens, cost)
 local worst, worst_i, worst_metric = -1, 0, ''
 for i = 1, n do
-  local base = 5 + (i - 1) * 4
+  local base = 6 + (i - 1) * 4
+  local ttl = tonumber(ARGV[base + 4])
   incr(KEYS[i], 'rr', 1)
   incr(KEYS[i], 'rt', tokens)
   incr(KEYS[i], 'rc', cost)
-  redis.call('EXPIRE', KEYS[i], tonumber(ARGV[base + 4]))
+  redis.call('EXPIRE', KEYS[i], ttl)
+  redis.call('HSET', KEYS[n + i], request_id, held)
+  redis.call('EXPIRE', KEYS[n + i], ttl)
   local s = state[i]
   local limits = {{tonumber(ARGV[base + 1]), s[1] + s[2] + 1, 'requests'},
                   {tonumber(ARGV[base + 2]), s[3] + s[4] + tokens, 'tokens'},
@@ -89,27 +99,32 @@ return {'ok', granted, tokens, cost, worst, worst_i, worst_metric}
 """
 
 SETTLE_LUA = """
--- Lua turns -0 into "-0", which HINCRBY rejects; format integers explicitly and skip zeros.
 local function incr(key, field, amount)
   if amount ~= 0 then redis.call('HINCRBY', key, field, string.format('%d', amount)) end
 end
-local n = #KEYS - 1
+local n = (#KEYS - 1) / 2
 local marker = KEYS[#KEYS]
 if redis.call('EXISTS', marker) == 1 then return 0 end
-local reserved_tokens, reserved_cost = tonumber(ARGV[2]), tonumber(ARGV[3])
-local used_tokens, used_cost = tonumber(ARGV[4]), tonumber(ARGV[5])
+local request_id = ARGV[2]
+local used_tokens, used_cost = tonumber(ARGV[3]), tonumber(ARGV[4])
+local count_as_used = ARGV[5] == '1'
 for i = 1, n do
-  -- A counter that is gone will be rebuilt from the ledger, which already holds this request.
-  if redis.call('HEXISTS', KEYS[i], 'ok') == 1 then
+  local held = redis.call('HGET', KEYS[n + i], request_id)
+  -- Only a counter that holds this request's reservation releases it; one rebuilt from the
+  -- ledger since then already counts the request from the ledger.
+  if held and redis.call('HEXISTS', KEYS[i], 'ok') == 1 then
+    local comma = string.find(held, ',')
+    local reserved_tokens = tonumber(string.sub(held, 1, comma - 1))
+    local reserved_cost = tonumber(string.sub(held, comma + 1))
+    redis.call('HDEL', KEYS[n + i], request_id)
     incr(KEYS[i], 'rr', -1)
     incr(KEYS[i], 'rt', 0 - reserved_tokens)
     incr(KEYS[i], 'rc', 0 - reserved_cost)
-    for _, f in ipairs({'rr', 'rt', 'rc'}) do
-      if (tonumber(redis.call('HGET', KEYS[i], f)) or 0) < 0 then redis.call('HSET', KEYS[i], f, 0) end
+    if count_as_used then
+      incr(KEYS[i], 'ur', 1)
+      incr(KEYS[i], 'ut', used_tokens)
+      incr(KEYS[i], 'uc', used_cost)
     end
-    incr(KEYS[i], 'ur', 1)
-    incr(KEYS[i], 'ut', used_tokens)
-    incr(KEYS[i], 'uc', used_cost)
   end
 end
 redis.call('SET', marker, 1, 'EX', tonumber(ARGV[1]))
@@ -118,9 +133,13 @@ return 1
 
 INSTALL_LUA = """
 if redis.call('HEXISTS', KEYS[1], 'ok') == 1 then return 0 end
-redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('HSET', KEYS[1], 'ok', 1, 'ur', ARGV[1], 'ut', ARGV[2], 'uc', ARGV[3], 'rr', ARGV[4], 'rt', ARGV[5], 'rc', ARGV[6])
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[7]))
+for i = 8, #ARGV, 2 do
+  redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+end
+if #ARGV >= 8 then redis.call('EXPIRE', KEYS[2], tonumber(ARGV[7])) end
 return 1
 """
 
@@ -201,11 +220,12 @@ class CounterStore:
         price_in_per_million: int = 0,
         price_out_per_million: int = 0,
     ) -> AdmitResult:
-        args: list[int] = [MARKER_TTL_S, prompt_tokens, max_tokens, price_in_per_million, price_out_per_million]
+        args: list = [MARKER_TTL_S, prompt_tokens, max_tokens, price_in_per_million, price_out_per_million, request_id]
         for spec in counters:
             limits = spec.limits
             args += [_limit(limits.requests), _limit(limits.tokens), _limit(limits.cost_micro_usd), spec.ttl_s]
-        keys = [spec.key for spec in counters] + [self.admitted_marker(request_id)]
+        keys = [spec.key for spec in counters] + [in_flight_key(spec.key) for spec in counters]
+        keys.append(self.admitted_marker(request_id))
         reply = [_text(item) for item in self._admit(keys=keys, args=args)]
         status = reply[0]
         if status == "ok":
@@ -231,27 +251,31 @@ class CounterStore:
             return AdmitResult("rebuild", rebuild_indexes=tuple(i - 1 for i in reply[1:]))
         return AdmitResult("duplicate")
 
-    def settle(
-        self,
-        request_id: str,
-        keys: list[str],
-        *,
-        reserved_tokens: int,
-        reserved_cost_micro_usd: int,
-        used_tokens: int,
-        used_cost_micro_usd: int,
-    ) -> bool:
-        """Move one reservation to used with the actual amounts. False if already settled."""
+    def settle(self, request_id: str, keys: list[str], *, used_tokens: int, used_cost_micro_usd: int,
+               count_as_used: bool = True) -> bool:
+        """Release the request's reservation on every counter that holds it and count what it used.
+
+        count_as_used=False only releases (a request that never ran). False if already settled.
+        """
         reply = self._settle(
-            keys=[*keys, self.settled_marker(request_id)],
-            args=[MARKER_TTL_S, reserved_tokens, reserved_cost_micro_usd, used_tokens, used_cost_micro_usd],
+            keys=[*keys, *(in_flight_key(key) for key in keys), self.settled_marker(request_id)],
+            args=[MARKER_TTL_S, request_id, used_tokens, used_cost_micro_usd, "1" if count_as_used else "0"],
         )
         return bool(reply)
 
-    def install(self, key: str, used: Usage, reserved: Usage, ttl_s: int) -> bool:
-        """Write a counter rebuilt from the ledger, unless another process installed it first."""
-        args = [used.requests, used.tokens, used.cost_micro_usd, reserved.requests, reserved.tokens, reserved.cost_micro_usd, ttl_s]
-        return bool(self._install(keys=[key], args=args))
+    def install(self, key: str, used: Usage, reserved: Usage, ttl_s: int,
+                in_flight: dict[str, tuple[int, int]] | None = None) -> bool:
+        """Write a counter rebuilt from the ledger, with the reservations it holds, unless another
+        process installed it first."""
+        args: list = [used.requests, used.tokens, used.cost_micro_usd, reserved.requests, reserved.tokens, reserved.cost_micro_usd, ttl_s]
+        for request_id, (tokens, cost) in (in_flight or {}).items():
+            args += [request_id, f"{tokens},{cost}"]
+        return bool(self._install(keys=[key, in_flight_key(key)], args=args))
+
+    def held(self, key: str) -> dict[str, tuple[int, int]]:
+        """The reservations a counter holds: request id → (tokens, micro-dollars)."""
+        raw = self.client.hgetall(in_flight_key(key))
+        return {rid.decode(): tuple(int(x) for x in value.decode().split(",")) for rid, value in raw.items()}
 
     def state(self, key: str) -> CounterState | None:
         values = self.client.hmget(key, "ok", "ur", "ut", "uc", "rr", "rt", "rc")
@@ -259,6 +283,10 @@ class CounterStore:
             return None
         ur, ut, uc, rr, rt, rc = (int(v or 0) for v in values[1:])
         return CounterState(Usage(ur, ut, uc), Usage(rr, rt, rc))
+
+
+def in_flight_key(counter_key: str) -> str:
+    return f"{counter_key}:inflight"
 
 
 def _limit(value: int | None) -> int:

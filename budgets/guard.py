@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import redis
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
@@ -272,46 +272,85 @@ IN_FLIGHT = Q(status=TokenLog.Status.RUNNING, admitted=True)
 
 
 def ledger_sums(ledger_filter: dict) -> tuple[Usage, Usage]:
-    """(used, reserved) for one ceiling, straight from TokenLog: one aggregate query."""
-    rows = TokenLog.objects.filter(**ledger_filter)
-    sums = rows.aggregate(
-        ur=Count("id", filter=SETTLED),
-        ut=Sum(F("prompt_tokens") + F("completion_tokens"), filter=SETTLED),
-        uc=Sum("cost_micro_usd", filter=SETTLED),
-        rr=Count("id", filter=IN_FLIGHT),
-        rt=Sum("reserved_tokens", filter=IN_FLIGHT),
-        rc=Sum("reserved_cost_micro_usd", filter=IN_FLIGHT),
-    )
-    used = Usage(sums["ur"] or 0, sums["ut"] or 0, sums["uc"] or 0)
-    reserved = Usage(sums["rr"] or 0, sums["rt"] or 0, sums["rc"] or 0)
+    """(used, reserved) for one ceiling, straight from TokenLog."""
+    used, reserved, _ = ledger_snapshot(ledger_filter)
     return used, reserved
 
 
+def ledger_snapshot(ledger_filter: dict) -> tuple[Usage, Usage, dict[str, tuple[int, int]]]:
+    """(used, reserved, the in-flight reservations by request id) for one ceiling, from one snapshot.
+
+    Settled rows are one aggregate; in-flight rows (at most the requests running right now) are
+    read one by one, because a rebuilt counter must know exactly which reservations it holds.
+    Both reads see the same snapshot, so a request settling in between is counted once.
+    """
+    rows = TokenLog.objects.filter(**ledger_filter)
+    with transaction.atomic():
+        if connection.vendor == "postgresql" and not _in_outer_transaction():
+            with connection.cursor() as cursor:
+                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        sums = rows.filter(SETTLED).aggregate(
+            ur=Count("id"), ut=Sum(F("prompt_tokens") + F("completion_tokens")), uc=Sum("cost_micro_usd")
+        )
+        in_flight = {
+            request_id: (tokens, cost)
+            for request_id, tokens, cost in rows.filter(IN_FLIGHT).values_list(
+                "request_id", "reserved_tokens", "reserved_cost_micro_usd"
+            )
+        }
+    used = Usage(sums["ur"] or 0, sums["ut"] or 0, sums["uc"] or 0)
+    reserved = Usage(
+        len(in_flight), sum(t for t, _ in in_flight.values()), sum(c for _, c in in_flight.values())
+    )
+    return used, reserved, in_flight
+
+
+def _in_outer_transaction() -> bool:
+    # A savepoint means our atomic() is nested in a caller's transaction, which may already have
+    # run queries: the isolation level can no longer be set there.
+    return bool(connection.savepoint_ids)
+
+
 def rebuild_counter(ceiling: Ceiling) -> None:
-    used, reserved = ledger_sums(ceiling.ledger_filter)
-    counter_store().install(ceiling.spec.key, used, reserved, ceiling.spec.ttl_s)
+    used, reserved, in_flight = ledger_snapshot(ceiling.ledger_filter)
+    counter_store().install(ceiling.spec.key, used, reserved, ceiling.spec.ttl_s, in_flight)
 
 
 # --- settling ------------------------------------------------------------------------------------
 
 
 def settle(row: TokenLog) -> bool:
-    """Release the reservation of a finished row and count what it really used. Idempotent."""
+    """Release a finished row's reservation and count what it really used. Idempotent.
+
+    On success the row is marked `counters_settled`; when Redis could not be reached it stays
+    unmarked and reconciliation settles it again later (a replay changes nothing).
+    """
+    return _settle_counters(row, count_as_used=True)
+
+
+def release(row: TokenLog) -> bool:
+    """Free whatever a request that never ran may have reserved (e.g. its admission timed out
+    after the script ran); counts nothing as used."""
+    return _settle_counters(row, count_as_used=False)
+
+
+def _settle_counters(row: TokenLog, *, count_as_used: bool) -> bool:
     if not row.counter_keys:
         return False
     try:
-        return counter_store().settle(
+        first_time = counter_store().settle(
             row.request_id,
             row.counter_keys,
-            reserved_tokens=row.reserved_tokens,
-            reserved_cost_micro_usd=row.reserved_cost_micro_usd,
             used_tokens=row.prompt_tokens + row.completion_tokens,
             used_cost_micro_usd=row.cost_micro_usd,
+            count_as_used=count_as_used,
         )
     except redis.RedisError as exc:
-        # The ledger is already right; the counter is rebuilt from it when Redis comes back.
-        log.warning("could not settle %s in Redis: %s", row.request_id, exc)
+        log.warning("could not settle %s in Redis (reconciliation will retry): %s", row.request_id, exc)
         return False
+    TokenLog.objects.filter(pk=row.pk, counters_settled=False).update(counters_settled=True)
+    row.counters_settled = True
+    return first_time
 
 
 # --- sentences -----------------------------------------------------------------------------------

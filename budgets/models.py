@@ -130,6 +130,8 @@ class TokenLog(models.Model):
     max_tokens = models.PositiveIntegerField(default=0)
     cost_micro_usd = models.BigIntegerField(default=0)
     admitted = models.BooleanField(default=False)  # the guard reserved for it in Redis
+    # Its reservation was released in Redis; false on a finished row means a settle to retry.
+    counters_settled = models.BooleanField(default=False)
     reserved_tokens = models.PositiveIntegerField(default=0)
     reserved_cost_micro_usd = models.BigIntegerField(default=0)
     # The guard's Redis counters this request was reserved against, so settling releases exactly them

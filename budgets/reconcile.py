@@ -12,7 +12,7 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from .actions import Usage, do_record_usage, do_requeue_unsent_alerts
-from .guard import settle
+from .guard import release, settle
 from .models import TokenLog
 
 log = logging.getLogger(__name__)
@@ -36,12 +36,37 @@ def release_lost_requests(now=None) -> int:
     return released
 
 
+SETTLE_RETRY_AFTER_S = 30
+
+
+def retry_unsettled(now=None) -> int:
+    """Settle again what a Redis hiccup left unsettled, and release what a timed-out admission may
+    have reserved. Both are no-ops for counters that do not hold the request."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=SETTLE_RETRY_AFTER_S)
+    finished = TokenLog.objects.filter(admitted=True, counters_settled=False, finished_at__lt=cutoff).exclude(
+        status__in=[TokenLog.Status.RUNNING, TokenLog.Status.REFUSED]
+    )
+    timed_out = TokenLog.objects.filter(
+        status=TokenLog.Status.REFUSED, refusal_code="guard_unavailable", counters_settled=False, finished_at__lt=cutoff
+    )
+    done = 0
+    for row in finished.iterator():
+        settle(row)
+        done += row.counters_settled
+    for row in timed_out.iterator():
+        release(row)
+        done += row.counters_settled
+    return done
+
+
 def reconcile_forever(stop: threading.Event, every_s: float = 60.0) -> None:
     """Run in each worker: several workers doing it at once is safe (settling is idempotent)."""
     while not stop.wait(every_s):
         try:
             close_old_connections()
             release_lost_requests()
+            retry_unsettled()
             do_requeue_unsent_alerts()
         except Exception:  # noqa: BLE001 - reconciliation must never take the worker down
             log.exception("reconciliation failed")

@@ -14,6 +14,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from django.conf import settings
 from django.db import connection
+from django.utils import timezone
 
 from budgets.actions import Usage, do_record_usage
 from budgets.guard import AdmissionRequest, Decision, LoopLimits, admit, applicable_ceilings, counter_store, ledger_sums, settle
@@ -290,3 +291,46 @@ def test_reconciliation_fails_lost_requests_and_frees_their_reservations(alice, 
     assert all("no worker finished" in r.error for r in rows)
     state, (used, reserved) = counter_and_ledger(alice, chat_feature, at=later)
     assert state.reserved.requests == 0 and (state.used, state.reserved) == (used, reserved)
+
+
+def test_a_settle_that_could_not_reach_redis_is_retried_by_reconciliation(alice, chat_feature, settings):
+    from budgets.reconcile import retry_unsettled
+
+    Quota.objects.create(period="day", max_requests=10)
+    decision = admit(request(alice, chat_feature))
+    do_record_usage(decision.request_id, status=TokenLog.Status.OK, usage=Usage(10, 4))
+    row = TokenLog.objects.get(request_id=decision.request_id)
+
+    real_url = settings.REDIS_URL
+    settings.REDIS_URL = f"redis://127.0.0.1:{stack.free_port()}/0"
+    counter_store.cache_clear()
+    try:
+        assert settle(row) is False
+    finally:
+        settings.REDIS_URL = real_url
+        counter_store.cache_clear()
+    row.refresh_from_db()
+    assert not row.counters_settled
+    state, _ = counter_and_ledger(alice, chat_feature)
+    assert state.reserved.requests == 1  # still held: Redis never heard of the settle
+
+    assert retry_unsettled(now=row.finished_at + timedelta(minutes=1)) == 1
+    state, (used, reserved) = counter_and_ledger(alice, chat_feature)
+    assert (state.used, state.reserved) == (used, reserved) and state.reserved.requests == 0
+    assert retry_unsettled(now=row.finished_at + timedelta(minutes=2)) == 0
+
+
+def test_an_admission_whose_reply_was_lost_is_released(alice, chat_feature):
+    """The admit script ran but the reply timed out: the row says guard_unavailable, Redis holds a
+    reservation. Reconciliation releases it without counting anything as used."""
+    from budgets.reconcile import retry_unsettled
+
+    Quota.objects.create(period="day", max_requests=10)
+    decision = admit(request(alice, chat_feature))
+    lost_at = timezone.now()
+    TokenLog.objects.filter(request_id=decision.request_id).update(
+        status=TokenLog.Status.REFUSED, refusal_code="guard_unavailable", admitted=False, finished_at=lost_at,
+    )
+    assert retry_unsettled(now=lost_at + timedelta(minutes=1)) == 1
+    state, (used, reserved) = counter_and_ledger(alice, chat_feature)
+    assert state.reserved.requests == 0 and state.used.requests == 0 == used.requests

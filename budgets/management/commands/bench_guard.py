@@ -8,7 +8,8 @@ Two levels, each an admit followed by a settle, timed together:
   then guard.settle): the Lua scripts plus the ledger's database writes, for a throwaway user,
   feature and provider that are deleted afterwards.
 
-Nothing is ever refused: the limits are far above what the run can use.
+Nothing is ever refused: the limits are far above what the run can use. Requests go one at a time,
+so admissions/s counts whole admit+settle cycles (two Redis round trips at the counters level).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 import redis
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 
 from budgets import guard
@@ -44,6 +45,7 @@ MAX_TOKENS = 256
 COMPLETION_TOKENS = 200
 # Far above anything a run can spend, so every admission is granted in full.
 HUGE = 10**15
+MAX_REQUESTS = 10**9  # Quota.max_requests is a 32-bit column
 BENCH_TTL_S = 3600  # the bench's own counters vanish by themselves if cleanup never runs
 MODEL = "bench-model"
 PRICE_IN, PRICE_OUT = 150_000, 600_000  # micro-dollars per million tokens: exercises the cost ceiling
@@ -72,28 +74,31 @@ class Command(BaseCommand):
     def add_arguments(self, parser) -> None:
         parser.add_argument("--n", type=int, default=5000, help="timed admissions per level (default 5000)")
         parser.add_argument("--level", choices=LEVELS, help="counters or guard (default: both)")
+        parser.add_argument("--warmup", type=int, default=WARMUP, help=f"untimed admissions first (default {WARMUP})")
         parser.add_argument("--json", dest="json_path", help="also write the numbers to this file as JSON")
 
-    def handle(self, *args, n: int, level: str | None, json_path: str | None, **options) -> None:
+    def handle(self, *args, n: int, level: str | None, warmup: int, json_path: str | None, **options) -> None:
         if n < 1:
             raise CommandError(f"--n must be at least 1, got {n}")
+        if warmup < 0:
+            raise CommandError(f"--warmup cannot be negative, got {warmup}")
         target = _json_target(json_path)
         store = _reachable_store()
-        results = [self.run_level(name, store, n) for name in ([level] if level else LEVELS)]
+        results = [self.run_level(name, store, n, warmup) for name in ([level] if level else LEVELS)]
         if target is not None:
-            target.write_text(json.dumps(_report(n, results), indent=2) + "\n")
+            target.write_text(json.dumps(_report(n, warmup, results), indent=2) + "\n")
             self.stdout.write(f"wrote {target}")
 
-    def run_level(self, level: str, store: CounterStore, n: int) -> LevelResult:
+    def run_level(self, level: str, store: CounterStore, n: int, warmup: int) -> LevelResult:
         run_id = uuid.uuid4().hex[:12]
         context = counters_level(store, run_id) if level == "counters" else guard_level(run_id)
         try:
             with context as step:
-                latencies_ms, wall_s = time_steps(step, n, WARMUP)
+                latencies_ms, wall_s = time_steps(step, n, warmup)
         except redis.RedisError as exc:
             raise CommandError(f"Redis failed during the {level} benchmark: {exc}") from exc
         database = connection.vendor if level == "guard" else None
-        result = summarize(level, latencies_ms, wall_s, database)
+        result = summarize(level, latencies_ms, wall_s, warmup, database)
         self.print_result(result)
         return result
 
@@ -133,11 +138,7 @@ def counters_level(store: CounterStore, run_id: str) -> Iterator[Step]:
             price_in_per_million=PRICE_IN, price_out_per_million=PRICE_OUT,
         )
         _require_ok(result.status, request_id)
-        bench.settle(
-            request_id, keys,
-            reserved_tokens=result.reserved_tokens, reserved_cost_micro_usd=result.reserved_cost_micro_usd,
-            used_tokens=PROMPT_TOKENS + COMPLETION_TOKENS, used_cost_micro_usd=used_cost,
-        )
+        bench.settle(request_id, keys, used_tokens=PROMPT_TOKENS + COMPLETION_TOKENS, used_cost_micro_usd=used_cost)
 
     try:
         for spec in specs:
@@ -152,16 +153,16 @@ def counters_level(store: CounterStore, run_id: str) -> Iterator[Step]:
 def guard_level(run_id: str) -> Iterator[Step]:
     """The full guard with its ledger writes, for a throwaway user, feature and provider."""
     name = f"bench-{run_id}"
-    user = get_user_model().objects.create_user(name)  # no password: nobody can log in as it
-    provider = Provider.objects.create(name=name, monthly_limit_micro_usd=HUGE)
-    feature = Feature.objects.create(name=name, description="bench_guard throwaway", provider=provider)
-    for period in (Period.DAY, Period.MONTH):
-        Quota.objects.create(user=user, feature=None, period=period, max_requests=HUGE // 10**6, max_tokens=HUGE)
-    ModelPrice.objects.create(
-        provider=provider, model=MODEL, input_per_million_micro_usd=PRICE_IN,
-        output_per_million_micro_usd=PRICE_OUT, effective_from=timezone.now() - timedelta(days=1),
-    )
-    price = ModelPrice.objects.get(provider=provider, model=MODEL)
+    with transaction.atomic():  # all or nothing, so a failed setup leaves no half-made cast behind
+        user = get_user_model().objects.create_user(name)  # no password: nobody can log in as it
+        provider = Provider.objects.create(name=name, monthly_limit_micro_usd=HUGE)
+        feature = Feature.objects.create(name=name, description="bench_guard throwaway", provider=provider)
+        for period in (Period.DAY, Period.MONTH):
+            Quota.objects.create(user=user, feature=None, period=period, max_requests=MAX_REQUESTS, max_tokens=HUGE)
+        ModelPrice.objects.create(
+            provider=provider, model=MODEL, input_per_million_micro_usd=PRICE_IN,
+            output_per_million_micro_usd=PRICE_OUT, effective_from=timezone.now() - timedelta(days=1),
+        )
 
     def step(i: int) -> None:
         request_id = f"{name}-{i}"
@@ -170,10 +171,8 @@ def guard_level(run_id: str) -> Iterator[Step]:
         )
         _require_ok("ok" if decision.admitted else decision.code, request_id)
         # What a worker does when the answer ends, minus the model: record the usage, then settle.
-        completion = min(COMPLETION_TOKENS, decision.max_tokens)
-        cost = price.cost_micro_usd(PROMPT_TOKENS, completion)
-        usage = LedgerUsage(prompt_tokens=PROMPT_TOKENS, completion_tokens=completion, cost_micro_usd=cost)
-        do_record_usage(request_id, status=TokenLog.Status.OK, usage=usage, finish_reason="length")
+        usage = LedgerUsage(prompt_tokens=PROMPT_TOKENS, completion_tokens=min(COMPLETION_TOKENS, decision.max_tokens))
+        do_record_usage(request_id, status=TokenLog.Status.OK, usage=usage, finish_reason="stop")
         guard.settle(TokenLog.objects.get(request_id=request_id))
 
     try:
@@ -218,14 +217,14 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[rank - 1]
 
 
-def summarize(level: str, latencies_ms: list[float], wall_s: float, database: str | None) -> LevelResult:
+def summarize(level: str, latencies_ms: list[float], wall_s: float, warmup: int, database: str | None) -> LevelResult:
     ordered = sorted(latencies_ms)
     p99 = percentile(ordered, 0.99)
     rate = len(ordered) / wall_s
     return LevelResult(
         level=level,
         n=len(ordered),
-        warmup=WARMUP,
+        warmup=warmup,
         p50_ms=percentile(ordered, 0.50),
         p99_ms=p99,
         mean_ms=sum(ordered) / len(ordered),
@@ -272,10 +271,10 @@ def _delete_keys(client: redis.Redis, keys: list[str], batch: int = 1000) -> Non
         client.unlink(*keys[start : start + batch])
 
 
-def _report(n: int, results: list[LevelResult]) -> dict:
+def _report(n: int, warmup: int, results: list[LevelResult]) -> dict:
     return {
         "n": n,
-        "warmup": WARMUP,
+        "warmup": warmup,
         "targets": {"p99_ms": TARGET_P99_MS, "admissions_per_s": TARGET_ADMISSIONS_PER_S},
         "levels": {r.level: asdict(r) for r in results},
     }

@@ -1,0 +1,82 @@
+"""`manage.py bench_guard`: it reports sane numbers and cleans up after itself (no timing thresholds)."""
+
+from __future__ import annotations
+
+import json
+from io import StringIO
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import connection
+
+from budgets.models import Feature, ModelPrice, Provider, Quota, TokenLog
+
+LEVEL_FIELDS = {
+    "level", "n", "warmup", "p50_ms", "p99_ms", "mean_ms", "max_ms", "admissions_per_s",
+    "p99_target_met", "throughput_target_met", "database",
+}
+# Only keys the bench can write: real counters, engine stats and channel layers are someone else's.
+BENCH_KEY_PATTERNS = ("ceiling:bench:*", "ceiling:c:*", "ceiling:admitted:bench-*", "ceiling:settled:bench-*")
+
+
+def bench_keys(client) -> set[bytes]:
+    return {key for pattern in BENCH_KEY_PATTERNS for key in client.scan_iter(match=pattern)}
+
+
+def ledger_counts() -> dict[str, int]:
+    models = (User, Feature, Provider, ModelPrice, Quota, TokenLog)
+    return {model.__name__: model.objects.count() for model in models}
+
+
+def test_it_writes_both_levels_as_json_with_positive_ordered_numbers(db, redis_db, tmp_path):
+    target = tmp_path / "bench.json"
+    out = StringIO()
+    call_command("bench_guard", "--n", "200", "--warmup", "20", "--json", str(target), stdout=out)
+
+    report = json.loads(target.read_text())
+    assert report["n"] == 200 and report["warmup"] == 20
+    assert report["targets"] == {"p99_ms": 2.0, "admissions_per_s": 3000}
+    assert set(report["levels"]) == {"counters", "guard"}
+    for name, numbers in report["levels"].items():
+        assert set(numbers) == LEVEL_FIELDS
+        assert numbers["level"] == name and numbers["n"] == 200
+        assert 0 < numbers["p50_ms"] <= numbers["p99_ms"] <= numbers["max_ms"]
+        assert numbers["mean_ms"] > 0 and numbers["admissions_per_s"] > 0
+        assert isinstance(numbers["p99_target_met"], bool) and isinstance(numbers["throughput_target_met"], bool)
+    assert report["levels"]["counters"]["database"] is None
+    assert report["levels"]["guard"]["database"] == connection.vendor
+
+    printed = out.getvalue()
+    assert "p99 ≤ 2 ms" in printed and "3,000 admissions/s" in printed
+    assert "Redis Lua only" in printed and "writes" in printed
+
+
+def test_it_leaves_no_rows_users_or_keys_behind(db, redis_db):
+    keys, counts = bench_keys(redis_db), ledger_counts()
+    call_command("bench_guard", "--n", "30", "--warmup", "5", stdout=StringIO())
+    assert bench_keys(redis_db) == keys
+    assert ledger_counts() == counts
+
+
+def test_one_level_alone_is_reported_alone(db, redis_db, tmp_path):
+    target = tmp_path / "counters.json"
+    call_command("bench_guard", "--level", "counters", "--n", "10", "--warmup", "0", "--json", str(target), stdout=StringIO())
+    assert set(json.loads(target.read_text())["levels"]) == {"counters"}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--n", "0"], "--n must be at least 1, got 0"),
+        (["--n", "-5"], "--n must be at least 1, got -5"),
+        (["--n", "many"], "invalid int value"),
+        (["--warmup", "-1"], "--warmup cannot be negative"),
+        (["--level", "engine"], "invalid choice: 'engine'"),
+        (["--json", "/no/such/folder/bench.json"], "does not exist"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_runs(args, message):
+    with pytest.raises(CommandError, match=message):
+        call_command("bench_guard", *args, stdout=StringIO())
