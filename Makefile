@@ -24,6 +24,7 @@ run: migrate
 
 # The suite runs against PostgreSQL and Redis on 127.0.0.1 (.ci/run starts them when absent).
 test: install
+	$(VENV)/bin/ruff check .
 	DATABASE_URL=$${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/ceiling} \
 	REDIS_URL=$${TEST_REDIS_URL:-redis://127.0.0.1:6379/15} \
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -42,4 +42,5 @@ def publish(request_id: str) -> None:
     row = TokenLog.objects.select_related("feature").filter(request_id=request_id).first()
     if row is None:
         return
-    channel_sender().group_send(DASHBOARD_GROUP, point_for(row, row.feature.name if row.feature else None))
+    # Fire and forget: the worker's next step must not wait on staff dashboards.
+    channel_sender().group_send(DASHBOARD_GROUP, point_for(row, row.feature.name if row.feature else None), wait=False)

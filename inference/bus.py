@@ -106,7 +106,7 @@ def read_engine_stats() -> list[dict]:
     keys = sorted(client.scan_iter(match=STATS_KEY_PREFIX + "*", count=100))
     if not keys:
         return []
-    return [json.loads(raw) | {"worker": key.decode()[len(STATS_KEY_PREFIX) :]} for key, raw in zip(keys, client.mget(keys)) if raw]
+    return [json.loads(raw) | {"worker": key.decode()[len(STATS_KEY_PREFIX) :]} for key, raw in zip(keys, client.mget(keys), strict=True) if raw]
 
 
 # --- streaming to the channel layer from worker threads ------------------------------------------
@@ -121,15 +121,26 @@ class ChannelSender:
         self.thread.start()
         self.layer = get_channel_layer()
 
-    def group_send(self, group: str, message: dict, timeout: float = 5.0) -> bool:
-        """Send and wait (the next token must not overtake this one). False if the layer failed."""
+    def group_send(self, group: str, message: dict, timeout: float = 5.0, wait: bool = True) -> bool:
+        """Send and wait (the next token must not overtake this one). False if the layer failed.
+
+        wait=False hands the message over and returns at once (for events whose order does not matter).
+        """
         future = asyncio.run_coroutine_threadsafe(self.layer.group_send(group, message), self.loop)
+        if not wait:
+            future.add_done_callback(_log_failure)
+            return True
         try:
             future.result(timeout=timeout)
             return True
         except Exception as exc:  # noqa: BLE001 - the channel layer is at-most-once; the ledger is not
             log.warning("channel layer send to %s failed: %s", group, exc)
             return False
+
+
+def _log_failure(future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("channel layer send failed: %s", future.exception())
 
 
 _sender: ChannelSender | None = None

@@ -54,7 +54,7 @@ def test_each_bad_frame_gets_an_error_and_the_socket_stays_usable(live_stack, al
             return replies, await read_until_end(ws)
 
     replies, final = asyncio.run(scenario())
-    for (text, expected_code), reply in zip(BAD_FRAMES, replies):
+    for (text, expected_code), reply in zip(BAD_FRAMES, replies, strict=True):
         assert reply["type"] == "error", text[:80]
         assert reply["code"] == expected_code, text[:80]
         assert reply["message"] and len(reply["message"]) < 300

@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 
 from budgets.costmodel import (
-    CostModelError, Distribution, Inputs, LatencyModel, Price, SelfHosted, latency_shares, run, top_share, verdict,
+    CostModelError,
+    Distribution,
+    Inputs,
+    LatencyModel,
+    Price,
+    SelfHosted,
+    latency_shares,
+    run,
+    top_share,
+    verdict,
 )
 
 

@@ -17,7 +17,16 @@ from django.db import connection
 from django.utils import timezone
 
 from budgets.actions import Usage, do_record_usage
-from budgets.guard import AdmissionRequest, Decision, LoopLimits, admit, applicable_ceilings, counter_store, ledger_sums, settle
+from budgets.guard import (
+    AdmissionRequest,
+    Decision,
+    LoopLimits,
+    admit,
+    applicable_ceilings,
+    counter_store,
+    ledger_sums,
+    settle,
+)
 from budgets.models import ModelPrice, Provider, Quota, TokenLog
 from project import stack
 from tests.conftest import _test_database_url

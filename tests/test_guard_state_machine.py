@@ -17,7 +17,14 @@ from django.conf import settings as django_settings
 from django.utils import timezone
 from hypothesis import HealthCheck
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from budgets.actions import Usage, do_record_usage
 from budgets.counters import CounterState, Limits

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from project.settings import celery_url_from_redis_url, check_redis_url, database_from_url, envbool, envint, envfloat, envlist
+from project.settings import (
+    celery_url_from_redis_url,
+    check_redis_url,
+    database_from_url,
+    envbool,
+    envfloat,
+    envint,
+    envlist,
+)
 
 
 def test_booleans_accept_the_usual_spellings(monkeypatch):

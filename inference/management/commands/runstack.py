@@ -7,7 +7,6 @@ import subprocess
 import time
 
 from django.conf import settings
-from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from project import stack
