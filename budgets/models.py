@@ -149,6 +149,9 @@ class TokenLog(models.Model):
             models.Index(fields=["status", "created_at"]),
             models.Index(fields=["provider", "created_at"]),
             models.Index(fields=["loop_id"], condition=~models.Q(loop_id=""), name="tokenlog_loop_idx"),
+            models.Index(
+                fields=["refusal_code", "created_at"], condition=~models.Q(refusal_code=""), name="tokenlog_refusal_idx"
+            ),
         ]
 
     def __str__(self) -> str:

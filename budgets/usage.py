@@ -1,0 +1,349 @@
+"""Read-only usage calculations over the ledger: the cost-per-user long tail and a user's own caps.
+
+Every number here comes from SQL aggregates. The long tail pulls one row per *user* (the GROUP BY
+result), never one per TokenLog row, and does the percentiles in Python on those totals.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.contrib.auth import get_user_model
+from django.db.models import Count, F, Q, Sum
+
+from .guard import IN_FLIGHT, SETTLED, applicable_ceilings
+from .models import Feature, Period, Provider, TokenLog
+from .money import format_usd
+from .periods import describe_reset, period_bounds
+
+TOP_USERS = 50
+BINS_PER_DECADE = 4  # log-spaced histogram: 1, 1.8, 3.2, 5.6, 10, ... micro-dollars
+CURVE_POINTS = 200  # the concentration curve is downsampled to at most this many points
+
+# --- cost per user: the long tail ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UserCost:
+    user_id: int
+    username: str
+    requests: int
+    tokens: int
+    cost_micro_usd: int
+    share: float  # of all spend in the period, 0..1
+
+    @property
+    def cost_shown(self) -> str:
+        return format_usd(self.cost_micro_usd)
+
+    @property
+    def share_shown(self) -> str:
+        return f"{100 * self.share:.1f}%"
+
+
+@dataclass(frozen=True)
+class HistogramBin:
+    """Users whose cost in the period is in [low, high) micro-dollars (the zero bin is [0, 0])."""
+
+    low_micro_usd: int
+    high_micro_usd: int
+    users: int
+
+    @property
+    def label(self) -> str:
+        if self.high_micro_usd == 0:
+            return "$0"
+        return f"{short_usd(self.low_micro_usd)}–{short_usd(self.high_micro_usd)}"
+
+
+def short_usd(micro_usd: int) -> str:
+    """Two significant digits, for axis labels: $0.00018, $0.0032, $1.8, $18, $1,800."""
+    dollars = micro_usd / 1_000_000
+    if dollars >= 100:
+        return f"${dollars:,.0f}"
+    decimals = max(0, 1 - math.floor(math.log10(dollars))) if dollars > 0 else 0
+    text = f"{dollars:.{decimals}f}"
+    return "$" + (text.rstrip("0").rstrip(".") if "." in text else text)
+
+
+@dataclass(frozen=True)
+class CostTail:
+    start: datetime
+    end: datetime
+    users: int  # users with at least one request in the period
+    requests: int
+    total_micro_usd: int
+    p50_micro_usd: int
+    p90_micro_usd: int
+    p99_micro_usd: int
+    top_percent_users: int  # how many users make up "the top 1%" (at least one)
+    top_percent_share: float  # their share of all spend, 0..1
+    histogram: list[HistogramBin]
+    # (share of users, share of spend) from the biggest spender down: the Lorenz-style tail curve.
+    concentration: list[tuple[float, float]]
+    top_users: list[UserCost]
+
+    # Shown amounts, so templates need no filters of their own.
+    @property
+    def total_shown(self) -> str:
+        return format_usd(self.total_micro_usd)
+
+    @property
+    def p50_shown(self) -> str:
+        return format_usd(self.p50_micro_usd)
+
+    @property
+    def p90_shown(self) -> str:
+        return format_usd(self.p90_micro_usd)
+
+    @property
+    def p99_shown(self) -> str:
+        return format_usd(self.p99_micro_usd)
+
+    @property
+    def top_percent_share_shown(self) -> str:
+        return f"{100 * self.top_percent_share:.1f}%"
+
+
+def cost_per_user(start: datetime, end: datetime, top: int = TOP_USERS) -> CostTail:
+    """The distribution of spend over users in [start, end): one GROUP BY user query, then the top names."""
+    # Grouped by user_id alone (a hash aggregate); joining auth_user into the GROUP BY made
+    # PostgreSQL sort every row by user first, twice as slow over a million rows.
+    rows = list(
+        TokenLog.objects.filter(created_at__gte=start, created_at__lt=end, user__isnull=False)
+        .values("user")
+        .annotate(
+            requests=Count("id"),
+            tokens=Sum(F("prompt_tokens") + F("completion_tokens")),
+            cost=Sum("cost_micro_usd"),
+        )
+        .order_by("-cost", "-requests", "user")
+    )
+    top_ids = [row["user"] for row in rows[:top]]
+    names = dict(get_user_model().objects.filter(pk__in=top_ids).values_list("id", "username"))
+    costs = sorted(row["cost"] or 0 for row in rows)  # ascending, for percentiles
+    total = sum(costs)
+    top_n = max(1, math.ceil(len(costs) / 100)) if costs else 0
+    top_sum = sum(costs[-top_n:]) if top_n else 0
+    return CostTail(
+        start=start,
+        end=end,
+        users=len(costs),
+        requests=sum(row["requests"] for row in rows),
+        total_micro_usd=total,
+        p50_micro_usd=percentile(costs, 50),
+        p90_micro_usd=percentile(costs, 90),
+        p99_micro_usd=percentile(costs, 99),
+        top_percent_users=top_n,
+        top_percent_share=top_sum / total if total else 0.0,
+        histogram=log_histogram(costs),
+        concentration=concentration_curve(costs),
+        top_users=[
+            UserCost(
+                row["user"], names.get(row["user"], ""), row["requests"], row["tokens"] or 0, row["cost"] or 0,
+                (row["cost"] or 0) / total if total else 0.0,
+            )
+            for row in rows[:top]
+        ],
+    )
+
+
+def percentile(sorted_values: list[int], p: float) -> int:
+    """Nearest rank: the smallest value that at least p% of the values are at or below.
+
+    Chosen over interpolation because it is always a real user's cost, and reads plainly:
+    "half of the users spent at most p50".
+    """
+    if not sorted_values:
+        return 0
+    rank = max(1, math.ceil(p / 100 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def log_histogram(sorted_values: list[int]) -> list[HistogramBin]:
+    """Users per log-spaced cost bin; users who spent nothing get a bin of their own.
+
+    A linear histogram of a long tail is one tall bar and a flat line; log bins show its shape.
+    """
+    zero = sum(1 for v in sorted_values if v <= 0)
+    positive = sorted_values[zero:]
+    bins = [HistogramBin(0, 0, zero)] if zero else []
+    if not positive:
+        return bins
+    first = math.floor(math.log10(positive[0]) * BINS_PER_DECADE)
+    last = math.floor(math.log10(positive[-1]) * BINS_PER_DECADE)
+    edges = [_edge(k) for k in range(first, last + 2)]
+    counts = [0] * (len(edges) - 1)
+    index = 0
+    for value in positive:  # ascending, so one pass moves the bin index forward only
+        while index < len(counts) - 1 and value >= edges[index + 1]:
+            index += 1
+        counts[index] += 1
+    bins.extend(HistogramBin(edges[i], edges[i + 1], n) for i, n in enumerate(counts))
+    return bins
+
+
+def _edge(k: int) -> int:
+    return max(1, round(10 ** (k / BINS_PER_DECADE)))
+
+
+def concentration_curve(sorted_values: list[int], points: int = CURVE_POINTS) -> list[tuple[float, float]]:
+    """From the biggest spender down: after the top x of users, y of all spend is accounted for."""
+    total = sum(sorted_values)
+    n = len(sorted_values)
+    if not n or not total:
+        return []
+    step = max(1, n // points)
+    curve = [(0.0, 0.0)]
+    running = 0
+    for i, value in enumerate(reversed(sorted_values), start=1):
+        running += value
+        if i % step == 0 or i == n:
+            curve.append((i / n, running / total))
+    return curve
+
+
+# --- my usage: what is left of each cap that applies to one user --------------------------------
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """One metric of one cap: used (settled + still held by answers in progress) against the limit."""
+
+    metric: str  # requests | tokens | cost
+    limit: int
+    used: int
+    in_progress: int
+
+    @property
+    def left(self) -> int:
+        return max(0, self.limit - self.used - self.in_progress)
+
+    @property
+    def percent_used(self) -> int:
+        return min(100, round(100 * (self.used + self.in_progress) / self.limit)) if self.limit else 100
+
+    def show(self, amount: int) -> str:
+        return format_usd(amount) if self.metric == "cost" else f"{amount:,}"
+
+    @property
+    def shown_limit(self) -> str:
+        return self.show(self.limit)
+
+    @property
+    def shown_used(self) -> str:
+        return self.show(self.used + self.in_progress)
+
+    @property
+    def shown_left(self) -> str:
+        return self.show(self.left)
+
+
+@dataclass(frozen=True)
+class CapUsage:
+    period: str  # day | month
+    title: str
+    resets: str  # "at 00:00 UTC, in 3 h 12 min"
+    allowances: list[Allowance]
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Settled requests (refused and running ones are not counted), and refusals on their own."""
+
+    requests: int
+    tokens: int
+    cost_micro_usd: int
+    refused: int
+
+    @property
+    def cost_shown(self) -> str:
+        return format_usd(self.cost_micro_usd)
+
+
+@dataclass(frozen=True)
+class MyUsage:
+    today: Totals
+    month: Totals
+    caps: list[CapUsage]
+
+    @property
+    def periods(self) -> list[tuple[str, Totals]]:
+        return [("Today", self.today), ("This month", self.month)]
+
+
+def my_usage(user, now: datetime) -> MyUsage:
+    """The caps the guard would apply to this user (per enabled feature), and what is left of each.
+
+    Uses the guard's own applicable_ceilings() so this page can never disagree with a refusal;
+    all the used amounts come from one aggregate query over the user's rows this month.
+    """
+    ceilings = {}
+    default_provider = None
+    for feature in Feature.objects.filter(enabled=True).select_related("provider").order_by("name"):
+        provider = feature.provider
+        if provider is None:
+            default_provider = default_provider or Provider.default()
+            provider = default_provider
+        for ceiling in applicable_ceilings(user, feature, provider, now):
+            # The provider's monthly limit is everyone's, not this user's allowance.
+            if ceiling.scope in ("user", "feature"):
+                ceilings.setdefault(ceiling.spec.key, ceiling)
+    ceilings = list(ceilings.values())
+    sums = _ledger_sums(user, ceilings, now)
+    caps = [_cap_usage(i, ceiling, sums, now) for i, ceiling in enumerate(ceilings)]
+    caps.sort(key=lambda cap: (cap.period != Period.DAY, cap.title))
+    return MyUsage(
+        today=Totals(sums["day_r"], sums["day_t"] or 0, sums["day_c"] or 0, sums["day_refused"]),
+        month=Totals(sums["month_r"], sums["month_t"] or 0, sums["month_c"] or 0, sums["month_refused"]),
+        caps=caps,
+    )
+
+
+def _ledger_sums(user, ceilings: list, now: datetime) -> dict:
+    """One query: today's and this month's totals, and used/in-progress per ceiling (as guard.ledger_sums)."""
+    month_start, month_end = period_bounds(Period.MONTH, now)
+    day_start, day_end = period_bounds(Period.DAY, now)
+    tokens = F("prompt_tokens") + F("completion_tokens")
+    today = Q(created_at__gte=day_start, created_at__lt=day_end)
+    refused = Q(status=TokenLog.Status.REFUSED)
+    aggregates = {
+        "day_r": Count("id", filter=today & SETTLED),
+        "day_t": Sum(tokens, filter=today & SETTLED),
+        "day_c": Sum("cost_micro_usd", filter=today & SETTLED),
+        "day_refused": Count("id", filter=today & refused),
+        "month_r": Count("id", filter=SETTLED),
+        "month_t": Sum(tokens, filter=SETTLED),
+        "month_c": Sum("cost_micro_usd", filter=SETTLED),
+        "month_refused": Count("id", filter=refused),
+    }
+    for i, ceiling in enumerate(ceilings):
+        scope = Q(**ceiling.ledger_filter)
+        aggregates |= {
+            f"c{i}_ur": Count("id", filter=scope & SETTLED),
+            f"c{i}_ut": Sum(tokens, filter=scope & SETTLED),
+            f"c{i}_uc": Sum("cost_micro_usd", filter=scope & SETTLED),
+            f"c{i}_rr": Count("id", filter=scope & IN_FLIGHT),
+            f"c{i}_rt": Sum("reserved_tokens", filter=scope & IN_FLIGHT),
+            f"c{i}_rc": Sum("reserved_cost_micro_usd", filter=scope & IN_FLIGHT),
+        }
+    return TokenLog.objects.filter(user=user, created_at__gte=month_start, created_at__lt=month_end).aggregate(
+        **aggregates
+    )
+
+
+def _cap_usage(i: int, ceiling, sums: dict, now: datetime) -> CapUsage:
+    limits = ceiling.spec.limits
+    allowances = []
+    for metric, limit, suffix in (
+        ("requests", limits.requests, "r"),
+        ("tokens", limits.tokens, "t"),
+        ("cost", limits.cost_micro_usd, "c"),
+    ):
+        if limit is not None:
+            allowances.append(Allowance(metric, limit, sums[f"c{i}_u{suffix}"] or 0, sums[f"c{i}_r{suffix}"] or 0))
+    when = "Today" if ceiling.period == Period.DAY else "This month"
+    where = "all features" if ceiling.scope == "user" else f"feature {ceiling.subject.removeprefix('your ')}"
+    return CapUsage(ceiling.period, f"{when} · {where}", describe_reset(ceiling.period, now), allowances)
