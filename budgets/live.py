@@ -38,9 +38,11 @@ def publish_on_commit(request_id: str) -> None:
 
 def publish(request_id: str) -> None:
     from inference.bus import channel_sender  # one event loop per process for channel-layer sends
+    from inference.metrics import record_settled
 
     row = TokenLog.objects.select_related("feature").filter(request_id=request_id).first()
     if row is None:
         return
+    record_settled(row)  # the Prometheus counters in Redis (inference/metrics.py); never raises
     # Fire and forget: the worker's next step must not wait on staff dashboards.
     channel_sender().group_send(DASHBOARD_GROUP, point_for(row, row.feature.name if row.feature else None), wait=False)

@@ -247,6 +247,10 @@ CEILING_RESERVATION_TTL_S = envint("CEILING_RESERVATION_TTL_S", 600, minimum=60)
 CEILING_LOOP_MAX_CALLS = envint("CEILING_LOOP_MAX_CALLS", 10, minimum=1)
 CEILING_LOOP_MAX_COST_MICRO_USD = envint("CEILING_LOOP_MAX_COST_MICRO_USD", 1_000_000, minimum=0)
 
+# --- Metrics ----------------------------------------------------------------------------------
+# GET /metrics wants `Authorization: Bearer <this>`; empty (the default) switches the endpoint off (404).
+CEILING_METRICS_TOKEN = envstr("CEILING_METRICS_TOKEN", "")
+
 # --- Email (spend alerts) ------------------------------------------------------------------------
 EMAIL_BACKEND = envstr("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
 EMAIL_HOST = envstr("EMAIL_HOST", "localhost")

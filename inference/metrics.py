@@ -1,0 +1,262 @@
+"""Prometheus metrics for the whole stack, kept in Redis and rendered on scrape.
+
+Web servers and workers are separate processes, several of each at scale, so a per-process
+prometheus_client registry would show each scrape one process's share. Instead every settled or
+refused request adds to counters in Redis (budgets.live.publish → record_settled: one MULTI
+pipeline of HINCRBY/HINCRBYFLOAT), and GET /metrics renders those counters plus every worker's
+live engine stats (inference.bus.read_engine_stats) through a custom Collector.
+
+Layout in Redis: one hash per metric, KEY_PREFIX + name. A field is the JSON of [part, labels]:
+part is "value" for a counter; for a histogram it is "sum", "count" or one bucket's upper bound
+("+Inf" for the overflow). Bucket counts are stored per bucket, not cumulative, and added up at
+scrape time, so changing the bounds later never corrupts what was stored.
+
+Names follow vLLM's (`vllm:` → `ceiling:`) where they mean the same. Not exported:
+request_queue_time_seconds — the ledger has no moment when the engine scheduled a request, only
+admission (created_at), first token and end, so queueing is part of time to first token.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hmac
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+
+import redis
+from django.conf import settings
+from django.http import Http404, HttpRequest, HttpResponse
+from django.views.decorators.http import require_GET
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+from budgets.models import TokenLog
+
+from .bus import read_engine_stats
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "ceiling:metrics:"
+NAME_PREFIX = "ceiling:"
+# Recording sits on the path that settles a request (before its done frame is sent), so a slow
+# Redis may cost it half a second at most; the counters are then missing one request, logged.
+REDIS_TIMEOUT_S = 0.5
+NO_FEATURE = "(none)"  # as on the staff dashboard
+
+# vLLM's bounds (vllm/v1/metrics/loggers.py), with a few smaller ones: a GPU decodes a 135M model
+# in a few milliseconds per token, and an answer served from a cache ends in milliseconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# finished_reason as vLLM spells it: a cancelled request is an "abort", a failed one an "error".
+FINISHED_REASON = {TokenLog.Status.CANCELLED: "abort", TokenLog.Status.FAILED: "error"}
+CACHE_KINDS = ("exact", "semantic")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One metric kept in Redis: its name without the prefix (and without _total for counters)."""
+
+    name: str
+    kind: str  # "counter" or "histogram"
+    documentation: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return KEY_PREFIX + self.name
+
+
+TTFT = Spec("time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds (from admission).", ("feature",), TTFT_BUCKETS)
+TPOT = Spec("time_per_output_token_seconds", "histogram", "Histogram of time per output token in seconds.", ("feature",), TPOT_BUCKETS)
+E2E = Spec("e2e_request_latency_seconds", "histogram", "Histogram of e2e request latency in seconds (admission to end).", ("feature",), E2E_BUCKETS)
+PROMPT_TOKENS = Spec("prompt_tokens", "counter", "Number of prefill tokens processed.", ("feature",))
+GENERATION_TOKENS = Spec("generation_tokens", "counter", "Number of generation tokens processed.", ("feature",))
+REQUEST_SUCCESS = Spec("request_success", "counter", "Count of finished requests (stop, length, abort = cancelled, error = failed).", ("feature", "finished_reason"))
+REQUESTS_REFUSED = Spec("requests_refused", "counter", "Requests the budget guard or the front door refused, by refusal code.", ("code",))
+PREFIX_CACHE_HITS = Spec("prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached prompt tokens.")
+CACHE_HITS = Spec("cache_hits", "counter", "Answers served from the response cache, by kind (exact, semantic).", ("kind",))
+COST = Spec("cost_micro_usd", "counter", "Spend in micro-dollars, at the price in force at admission.", ("feature",))
+
+SPECS = (TTFT, TPOT, E2E, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, REQUESTS_REFUSED, PREFIX_CACHE_HITS, CACHE_HITS, COST)
+
+
+@lru_cache(maxsize=4)
+def _client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+
+
+def metrics_redis() -> redis.Redis:
+    return _client(settings.REDIS_URL)
+
+
+def _field(part: str, labels: dict[str, str]) -> str:
+    return json.dumps([part, labels], sort_keys=True, separators=(",", ":"))
+
+
+# --- recording: one pipeline per settled request ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Increment:
+    spec: Spec
+    part: str
+    labels: dict[str, str]
+    amount: int | float
+
+
+def increments_for(row: TokenLog) -> list[Increment]:
+    """What one settled or refused ledger row adds to the metrics (nothing for a running one)."""
+    if row.status == TokenLog.Status.RUNNING:
+        return []
+    if row.status == TokenLog.Status.REFUSED:
+        return [Increment(REQUESTS_REFUSED, "value", {"code": row.refusal_code or "unknown"}, 1)]
+    feature = {"feature": row.feature.name if row.feature_id else NO_FEATURE}
+    reason = FINISHED_REASON.get(row.status) or row.finish_reason or "stop"
+    out = [
+        Increment(REQUEST_SUCCESS, "value", feature | {"finished_reason": reason}, 1),
+        Increment(PROMPT_TOKENS, "value", feature, row.prompt_tokens),
+        Increment(GENERATION_TOKENS, "value", feature, row.completion_tokens),
+        Increment(COST, "value", feature, row.cost_micro_usd),
+    ]
+    if row.cached_tokens > 0:
+        out.append(Increment(PREFIX_CACHE_HITS, "value", {}, row.cached_tokens))
+    # The ledger has no cache column yet; once a response cache records its kind on the row, it counts here.
+    cache = getattr(row, "cache", "")
+    if cache in CACHE_KINDS:
+        out.append(Increment(CACHE_HITS, "value", {"kind": cache}, 1))
+    if row.ttft_ms is not None:
+        out += _observe(TTFT, feature, row.ttft_ms / 1000)
+    if row.total_ms is not None:
+        out += _observe(E2E, feature, row.total_ms / 1000)
+    if row.ttft_ms is not None and row.total_ms is not None and row.completion_tokens > 1:
+        decode_s = max(0, row.total_ms - row.ttft_ms) / 1000
+        out += _observe(TPOT, feature, decode_s / (row.completion_tokens - 1))
+    return out
+
+
+def _observe(spec: Spec, labels: dict[str, str], seconds: float) -> list[Increment]:
+    index = bisect.bisect_left(spec.buckets, seconds)  # the first bound >= seconds (le is inclusive)
+    bound = floatToGoString(spec.buckets[index]) if index < len(spec.buckets) else "+Inf"
+    return [
+        Increment(spec, bound, labels, 1),
+        Increment(spec, "count", labels, 1),
+        Increment(spec, "sum", labels, seconds),
+    ]
+
+
+def record_settled(row: TokenLog) -> None:
+    """Add one settled or refused request to the shared counters. Never raises: the ledger and the
+    user's answer must not depend on metrics, so a failure is logged and the request goes uncounted."""
+    try:
+        increments = increments_for(row)
+        if not increments:
+            return
+        pipe = metrics_redis().pipeline(transaction=True)  # a scrape sees the whole request or none of it
+        for inc in increments:
+            field = _field(inc.part, inc.labels)
+            if isinstance(inc.amount, float):
+                pipe.hincrbyfloat(inc.spec.key, field, inc.amount)
+            else:
+                pipe.hincrby(inc.spec.key, field, inc.amount)
+        pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("metrics: could not record request %s: %s", getattr(row, "request_id", "?"), exc)
+    except Exception:  # noqa: BLE001 - see the docstring
+        log.exception("metrics: could not record request %s", getattr(row, "request_id", "?"))
+
+
+def clear_metrics(client: redis.Redis | None = None) -> int:
+    """Delete every stored metric (tests; an operator resetting counters). Returns the keys deleted."""
+    client = client or metrics_redis()
+    keys = list(client.scan_iter(match=KEY_PREFIX + "*", count=500))
+    return client.delete(*keys) if keys else 0
+
+
+# --- rendering on scrape --------------------------------------------------------------------------
+
+
+class CeilingCollector:
+    """Reads the Redis hashes and the workers' engine stats at every scrape."""
+
+    def collect(self) -> Iterator[Metric]:
+        client = metrics_redis()
+        pipe = client.pipeline(transaction=False)
+        for spec in SPECS:
+            pipe.hgetall(spec.key)
+        for spec, stored in zip(SPECS, pipe.execute(), strict=True):
+            fields = [(*json.loads(raw_field), raw_value) for raw_field, raw_value in stored.items()]
+            yield self._histogram(spec, fields) if spec.kind == "histogram" else self._counter(spec, fields)
+        yield from self._engine_gauges(read_engine_stats())
+
+    @staticmethod
+    def _counter(spec: Spec, fields: list) -> CounterMetricFamily:
+        family = CounterMetricFamily(NAME_PREFIX + spec.name, spec.documentation, labels=spec.labels)
+        for _part, labels, raw in sorted(fields, key=lambda f: sorted(f[1].items())):
+            family.add_metric([labels.get(name, "") for name in spec.labels], float(raw))
+        return family
+
+    @staticmethod
+    def _histogram(spec: Spec, fields: list) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(NAME_PREFIX + spec.name, spec.documentation, labels=spec.labels)
+        series: dict[tuple[str, ...], dict[str, float]] = {}
+        for part, labels, raw in fields:
+            values = series.setdefault(tuple(labels.get(name, "") for name in spec.labels), {})
+            values[part] = values.get(part, 0.0) + float(raw)
+        for label_values in sorted(series):
+            values = series[label_values]
+            count, total = values.pop("count", 0.0), values.pop("sum", 0.0)
+            stored = [(float(bound), n) for bound, n in values.items()]
+            buckets = [(floatToGoString(b), sum(n for le, n in stored if le <= b)) for b in spec.buckets]
+            buckets.append(("+Inf", count))
+            family.add_metric(list(label_values), buckets, total)
+        return family
+
+    @staticmethod
+    def _engine_gauges(workers: list[dict]) -> Iterator[GaugeMetricFamily]:
+        running = GaugeMetricFamily(NAME_PREFIX + "num_requests_running", "Number of requests in the engine's running batch.", labels=["worker"])
+        waiting = GaugeMetricFamily(NAME_PREFIX + "num_requests_waiting", "Number of requests waiting to be processed.", labels=["worker"])
+        kv = GaugeMetricFamily(NAME_PREFIX + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=["worker"])
+        for stats in workers:
+            worker = [stats["worker"]]
+            running.add_metric(worker, stats.get("running", 0))
+            waiting.add_metric(worker, stats.get("waiting", 0))
+            total = stats.get("kv_blocks_total") or 0
+            kv.add_metric(worker, stats.get("kv_blocks_used", 0) / total if total else 0.0)
+        yield from (running, waiting, kv)
+
+
+REGISTRY = CollectorRegistry(auto_describe=False)
+REGISTRY.register(CeilingCollector())
+
+
+# --- the endpoint ---------------------------------------------------------------------------------
+
+
+def _bearer_matches(header: str, token: str) -> bool:
+    scheme, _, given = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+@require_GET
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """GET /metrics for Prometheus. 404 while CEILING_METRICS_TOKEN is empty, so nothing leaks by default."""
+    token = settings.CEILING_METRICS_TOKEN
+    if not token:
+        raise Http404("metrics are disabled")
+    if not _bearer_matches(request.headers.get("Authorization", ""), token):
+        response = HttpResponse("A valid bearer token is required.\n", status=401, content_type="text/plain")
+        response["WWW-Authenticate"] = 'Bearer realm="metrics"'
+        return response
+    try:
+        body = generate_latest(REGISTRY)
+    except redis.RedisError as exc:
+        log.warning("metrics: scrape failed, Redis unreachable: %s", exc)
+        return HttpResponse("Redis is unreachable; no metrics.\n", status=503, content_type="text/plain")
+    return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)

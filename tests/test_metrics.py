@@ -1,0 +1,289 @@
+"""GET /metrics: request metrics shared by every process through Redis, engine gauges per worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+from django.test import Client
+from django.utils import timezone
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+
+from budgets.actions import do_log_refusal
+from budgets.models import Feature, TokenLog
+from inference import bus
+from inference.engine import EngineStats
+from inference.metrics import clear_metrics, record_settled
+from tests.conftest import session_cookie
+from tests.wsclient import chat, chat_frame
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+TOKEN = "a-long-random-scrape-token"
+
+
+@pytest.fixture(autouse=True)
+def _clean_metric_keys(redis_db):
+    clear_metrics()
+    yield
+
+
+@pytest.fixture
+def metrics_token(settings):
+    settings.CEILING_METRICS_TOKEN = TOKEN
+    return TOKEN
+
+
+@pytest.fixture
+def summary_feature(transactional_db):
+    return Feature.objects.create(name="summary")
+
+
+def settled(feature: Feature | None, status: str = TokenLog.Status.OK, **fields) -> TokenLog:
+    """A ledger row as the worker leaves it; recorded as publish() records it."""
+    now = timezone.now()
+    row = TokenLog.objects.create(
+        request_id=uuid.uuid4().hex, feature=feature, model="SmolLM2-135M-Instruct", status=status,
+        created_at=now, finished_at=now, **fields,
+    )
+    record_settled(TokenLog.objects.select_related("feature").get(pk=row.pk))
+    return row
+
+
+def scrape(client: Client | None = None, token: str = TOKEN) -> dict:
+    response = (client or Client()).get("/metrics", headers={"Authorization": f"Bearer {token}"})
+    assert response.status_code == 200, response.content
+    assert response["Content-Type"] == CONTENT_TYPE_LATEST
+    return {family.name: family for family in text_string_to_metric_families(response.content.decode())}
+
+
+def value(families: dict, sample: str, **labels) -> float | None:
+    family = families[sample.removesuffix("_total").removesuffix("_bucket").removesuffix("_count").removesuffix("_sum")]
+    matches = [s.value for s in family.samples if s.name == sample and s.labels == labels]
+    assert len(matches) <= 1
+    return matches[0] if matches else None
+
+
+# --- request metrics ----------------------------------------------------------------------------------
+
+
+def test_latency_histograms_count_and_sum_each_settled_request(metrics_token, chat_feature):
+    settled(chat_feature, finish_reason="stop", prompt_tokens=9, completion_tokens=11, ttft_ms=200, total_ms=1200)
+    settled(chat_feature, finish_reason="length", prompt_tokens=9, completion_tokens=51, ttft_ms=3000, total_ms=8000)
+
+    families = scrape()
+
+    ttft = "ceiling:time_to_first_token_seconds"
+    assert value(families, f"{ttft}_count", feature="chat") == 2
+    assert value(families, f"{ttft}_sum", feature="chat") == pytest.approx(3.2)
+    assert value(families, f"{ttft}_bucket", feature="chat", le="0.1") == 0
+    assert value(families, f"{ttft}_bucket", feature="chat", le="0.25") == 1
+    assert value(families, f"{ttft}_bucket", feature="chat", le="2.5") == 1
+    assert value(families, f"{ttft}_bucket", feature="chat", le="5.0") == 2
+    assert value(families, f"{ttft}_bucket", feature="chat", le="+Inf") == 2
+
+    e2e = "ceiling:e2e_request_latency_seconds"
+    assert value(families, f"{e2e}_count", feature="chat") == 2
+    assert value(families, f"{e2e}_sum", feature="chat") == pytest.approx(9.2)
+    assert value(families, f"{e2e}_bucket", feature="chat", le="1.0") == 0
+    assert value(families, f"{e2e}_bucket", feature="chat", le="1.5") == 1
+    assert value(families, f"{e2e}_bucket", feature="chat", le="10.0") == 2
+
+    # (1200 - 200) ms over 10 tokens after the first, (8000 - 3000) over 50: 0.1 s each, and le is inclusive.
+    tpot = "ceiling:time_per_output_token_seconds"
+    assert value(families, f"{tpot}_count", feature="chat") == 2
+    assert value(families, f"{tpot}_sum", feature="chat") == pytest.approx(0.2)
+    assert value(families, f"{tpot}_bucket", feature="chat", le="0.075") == 0
+    assert value(families, f"{tpot}_bucket", feature="chat", le="0.1") == 2
+
+
+def test_a_one_token_answer_has_no_time_per_output_token(metrics_token, chat_feature):
+    settled(chat_feature, finish_reason="stop", prompt_tokens=5, completion_tokens=1, ttft_ms=300, total_ms=300)
+
+    families = scrape()
+
+    assert value(families, "ceiling:time_per_output_token_seconds_count", feature="chat") is None
+    assert value(families, "ceiling:time_to_first_token_seconds_count", feature="chat") == 1
+
+
+def test_counters_add_up_by_feature_and_finished_reason(metrics_token, chat_feature, summary_feature):
+    settled(chat_feature, finish_reason="stop", prompt_tokens=10, completion_tokens=5, cost_micro_usd=7, ttft_ms=50, total_ms=90)
+    settled(chat_feature, finish_reason="length", prompt_tokens=20, completion_tokens=16, cost_micro_usd=9, ttft_ms=60, total_ms=400)
+    settled(chat_feature, TokenLog.Status.FAILED, prompt_tokens=4)
+    settled(summary_feature, TokenLog.Status.CANCELLED, finish_reason="cancelled", prompt_tokens=3, completion_tokens=2, ttft_ms=80, total_ms=100)
+    settled(None, finish_reason="stop", prompt_tokens=1, completion_tokens=1, ttft_ms=10, total_ms=20)
+
+    families = scrape()
+
+    success = "ceiling:request_success_total"
+    assert value(families, success, feature="chat", finished_reason="stop") == 1
+    assert value(families, success, feature="chat", finished_reason="length") == 1
+    assert value(families, success, feature="chat", finished_reason="error") == 1
+    assert value(families, success, feature="summary", finished_reason="abort") == 1
+    assert value(families, success, feature="(none)", finished_reason="stop") == 1
+    assert value(families, "ceiling:prompt_tokens_total", feature="chat") == 34
+    assert value(families, "ceiling:prompt_tokens_total", feature="summary") == 3
+    assert value(families, "ceiling:generation_tokens_total", feature="chat") == 21
+    assert value(families, "ceiling:generation_tokens_total", feature="summary") == 2
+    assert value(families, "ceiling:cost_micro_usd_total", feature="chat") == 16
+    assert value(families, "ceiling:cost_micro_usd_total", feature="summary") == 0
+    # The failed request has no first token: it is in e2e latency only if it has a total.
+    assert value(families, "ceiling:time_to_first_token_seconds_count", feature="chat") == 2
+
+
+def test_refusals_are_counted_by_code_and_nowhere_else(metrics_token, chat_feature):
+    settled(chat_feature, TokenLog.Status.REFUSED, refusal_code="user_tokens_per_day", prompt_tokens=100)
+    settled(chat_feature, TokenLog.Status.REFUSED, refusal_code="user_tokens_per_day", prompt_tokens=100)
+    settled(chat_feature, TokenLog.Status.REFUSED, refusal_code="feature_disabled")
+
+    families = scrape()
+
+    assert value(families, "ceiling:requests_refused_total", code="user_tokens_per_day") == 2
+    assert value(families, "ceiling:requests_refused_total", code="feature_disabled") == 1
+    assert families["ceiling:prompt_tokens"].samples == []
+    assert families["ceiling:request_success"].samples == []
+
+
+def test_a_refusal_logged_by_the_guard_reaches_the_metrics_through_publish(metrics_token, alice, chat_feature):
+    do_log_refusal(
+        request_id=uuid.uuid4().hex, user=alice, feature=chat_feature, model="m", code="max_input_tokens", message="Too long."
+    )
+
+    assert value(scrape(), "ceiling:requests_refused_total", code="max_input_tokens") == 1
+
+
+def test_a_running_request_is_not_counted(metrics_token, chat_feature):
+    settled(chat_feature, TokenLog.Status.RUNNING, prompt_tokens=10)
+
+    families = scrape()
+
+    assert all(not family.samples for name, family in families.items() if not name.startswith("ceiling:num_requests") and "kv_cache" not in name)
+
+
+def test_prefix_cache_hits_count_cached_tokens(metrics_token, chat_feature):
+    settled(chat_feature, finish_reason="stop", prompt_tokens=40, cached_tokens=12, completion_tokens=3)
+    settled(chat_feature, finish_reason="stop", prompt_tokens=40, cached_tokens=0, completion_tokens=3)
+    settled(chat_feature, finish_reason="stop", prompt_tokens=40, cached_tokens=30, completion_tokens=3)
+
+    assert value(scrape(), "ceiling:prefix_cache_hits_total") == 42
+
+
+def test_response_cache_hits_are_declared_before_any_cache_exists(metrics_token, chat_feature):
+    settled(chat_feature, finish_reason="stop", prompt_tokens=4, completion_tokens=3)
+
+    families = scrape()
+
+    assert families["ceiling:cache_hits"].type == "counter"
+    assert families["ceiling:cache_hits"].samples == []
+
+
+def test_metrics_from_several_processes_add_up_in_redis(metrics_token, chat_feature):
+    # Two Django test clients stand in for two web processes: both read the one set of counters.
+    settled(chat_feature, finish_reason="stop", prompt_tokens=10, completion_tokens=5)
+    first = scrape(Client())
+    settled(chat_feature, finish_reason="stop", prompt_tokens=10, completion_tokens=5)
+    second = scrape(Client())
+
+    assert value(first, "ceiling:prompt_tokens_total", feature="chat") == 10
+    assert value(second, "ceiling:prompt_tokens_total", feature="chat") == 20
+
+
+def test_engine_gauges_come_from_each_workers_published_stats(metrics_token, redis_db):
+    stats = EngineStats(model="m", device="cpu", running=3, waiting=1, kv_blocks_used=128, kv_blocks_total=512,
+                        tokens_generated=0, tokens_per_s=0.0, requests_finished=0, peak_running=3, restarts=0)
+    key = f"{bus.STATS_KEY_PREFIX}metrics-test-host:4242"
+    redis_db.set(key, json.dumps(stats.as_dict()), ex=bus.STATS_TTL_S)
+    try:
+        families = scrape()
+    finally:
+        redis_db.delete(key)
+
+    assert value(families, "ceiling:num_requests_running", worker="metrics-test-host:4242") == 3
+    assert value(families, "ceiling:num_requests_waiting", worker="metrics-test-host:4242") == 1
+    assert value(families, "ceiling:kv_cache_usage_perc", worker="metrics-test-host:4242") == 0.25
+
+
+def test_recording_never_raises_when_redis_is_unreachable(metrics_token, settings, chat_feature, caplog):
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
+
+    with caplog.at_level(logging.WARNING, logger="inference.metrics"):
+        settled(chat_feature, finish_reason="stop", prompt_tokens=4, completion_tokens=3)
+        response = Client().get("/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+
+    assert "could not record request" in caplog.text
+    assert response.status_code == 503
+
+
+# --- the token -------------------------------------------------------------------------------------------
+
+
+def test_metrics_are_off_without_a_token(settings):
+    settings.CEILING_METRICS_TOKEN = ""
+
+    assert Client().get("/metrics").status_code == 404
+    assert Client().get("/metrics", headers={"Authorization": "Bearer "}).status_code == 404
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong-token", f"Basic {TOKEN}", f"Bearer {TOKEN}x", "Bearer"])
+def test_a_missing_or_wrong_token_is_refused(metrics_token, header):
+    response = Client().get("/metrics", headers={"Authorization": header} if header else {})
+
+    assert response.status_code == 401
+    assert response["WWW-Authenticate"] == 'Bearer realm="metrics"'
+    assert b"ceiling:" not in response.content
+
+
+def test_the_right_token_gets_the_text_format(metrics_token):
+    response = Client().get("/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+
+    assert response.status_code == 200
+    assert response["Content-Type"] == CONTENT_TYPE_LATEST
+    assert b"# TYPE ceiling:request_success_total counter" in response.content
+
+
+def test_only_get_is_allowed(metrics_token):
+    assert Client().post("/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 405
+
+
+# --- end to end ----------------------------------------------------------------------------------------
+
+
+def _live_scrape(live_stack, token: str | None) -> tuple[int, str]:
+    request = urllib.request.Request(f"{live_stack.http_url}/metrics", headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, ""
+
+
+def test_a_websocket_chat_is_counted_by_the_live_stack(live_stack, alice):
+    # A feature of its own, so requests of other tests settling late cannot change the numbers.
+    Feature.objects.create(name="metrics-e2e")
+    frames = asyncio.run(chat(live_stack, session_cookie(alice), chat_frame("Say hello.", 8, feature="metrics-e2e")))
+    done = frames[-1]
+    assert done["type"] == "done", frames
+
+    assert _live_scrape(live_stack, None)[0] == 401
+    status, body = _live_scrape(live_stack, "test-metrics-token")
+    assert status == 200
+    families = {family.name: family for family in text_string_to_metric_families(body)}
+
+    finished = {"feature": "metrics-e2e", "finished_reason": done["finish_reason"]}
+    assert value(families, "ceiling:request_success_total", **finished) == 1
+    assert value(families, "ceiling:prompt_tokens_total", feature="metrics-e2e") == done["usage"]["prompt_tokens"]
+    assert value(families, "ceiling:generation_tokens_total", feature="metrics-e2e") == done["usage"]["completion_tokens"]
+    assert value(families, "ceiling:time_to_first_token_seconds_count", feature="metrics-e2e") == 1
+    assert value(families, "ceiling:time_to_first_token_seconds_sum", feature="metrics-e2e") == pytest.approx(done["ttft_ms"] / 1000)
+    assert value(families, "ceiling:e2e_request_latency_seconds_sum", feature="metrics-e2e") == pytest.approx(done["total_ms"] / 1000)
+
+    workers = {s.labels["worker"] for s in families["ceiling:num_requests_running"].samples}
+    assert workers, "no worker's engine gauges"
+    assert {s.labels["worker"] for s in families["ceiling:num_requests_waiting"].samples} == workers
+    assert all(0 <= s.value <= 1 for s in families["ceiling:kv_cache_usage_perc"].samples)
