@@ -251,7 +251,7 @@ def _admit_with_rebuild(request, ceilings, price, now) -> AdmitResult:
 
 def _refuse(row: TokenLog, code: str, message: str, retry_after_s: int | None) -> Decision:
     now = timezone.now()
-    TokenLog.objects.filter(pk=row.pk, status=TokenLog.Status.RUNNING).update(
+    refused = TokenLog.objects.filter(pk=row.pk, status=TokenLog.Status.RUNNING).update(
         status=TokenLog.Status.REFUSED,
         refusal_code=code,
         error=message[:500],
@@ -260,7 +260,8 @@ def _refuse(row: TokenLog, code: str, message: str, retry_after_s: int | None) -
         max_tokens=0,
         finished_at=now,
     )
-    publish_on_commit(row.request_id)
+    if refused:  # publish each refusal once, even if this ran twice
+        publish_on_commit(row.request_id)
     return Decision(False, row.request_id, code=code, message=message, retry_after_s=retry_after_s)
 
 
