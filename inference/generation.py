@@ -75,12 +75,12 @@ def _generate(request_id: str) -> None:
 def _stream(engine, handle, log_row: TokenLog, group: str) -> None:
     sender = bus.channel_sender()
     decoder = IncrementalDecoder(engine.tokenizer)
-    deadline = time.monotonic() + settings.CEILING_TOTAL_TIMEOUT_S
+    deadline = time.monotonic() + settings.CEILING_ENGINE_DEADLINE_S
     ttft_ms = None
     seq = 0
     finish_reason, error = FINISH_ERROR, ""
     try:
-        for event in handle.events(timeout=settings.CEILING_FIRST_TOKEN_TIMEOUT_S):
+        for event in handle.events(timeout=settings.CEILING_ENGINE_FIRST_TOKEN_S):
             if event.new_tokens and ttft_ms is None:
                 ttft_ms = _ms_since(log_row.created_at)
             piece = decoder.push(event.new_tokens)
@@ -92,7 +92,7 @@ def _stream(engine, handle, log_row: TokenLog, group: str) -> None:
                 break
             if time.monotonic() > deadline:
                 engine.cancel(log_row.request_id)
-                error = f"the answer took longer than {settings.CEILING_TOTAL_TIMEOUT_S:.0f} s"
+                error = f"the answer took longer than {settings.CEILING_ENGINE_DEADLINE_S:.0f} s"
     except EngineError as exc:
         error = str(exc)
     if error and finish_reason == FINISH_CANCELLED:

@@ -24,10 +24,10 @@ _stop_services = threading.Event()
     name="inference.generate",
     queue="inference",
     ignore_result=True,
-    # Celery enforces these only in the prefork pool; run_generation keeps its own deadline
-    # (CEILING_TOTAL_TIMEOUT_S) so the thread pool we use is bounded too.
+    # Celery enforces these only in the prefork pool; run_generation keeps its own, shorter deadline
+    # (CEILING_ENGINE_DEADLINE_S) so the thread pool we use is bounded too.
     time_limit=settings.CEILING_TASK_TIME_LIMIT_S,
-    soft_time_limit=settings.CEILING_TASK_TIME_LIMIT_S - 10,
+    soft_time_limit=settings.CEILING_TASK_SOFT_TIME_LIMIT_S,
     # Not retried: a generation streams to a live user; a rerun would stream the answer twice.
     acks_late=False,
 )

@@ -232,11 +232,23 @@ CEILING_DEFAULT_MAX_TOKENS = envint("CEILING_DEFAULT_MAX_TOKENS", 256, minimum=1
 CEILING_MAX_TOKENS_LIMIT = envint("CEILING_MAX_TOKENS_LIMIT", 1024, minimum=1)
 CEILING_MAX_INPUT_TOKENS = envint("CEILING_MAX_INPUT_TOKENS", 2048, minimum=1)
 CEILING_MAX_MESSAGES = envint("CEILING_MAX_MESSAGES", 64, minimum=1)
-# Layered timeouts: the first token must arrive within FIRST_TOKEN, the whole answer within TOTAL.
+# Layered timeouts, each shorter than the layer above it, so the layer closest to the work gives up
+# first and the user hears why: engine deadline < Celery soft limit < Celery hard limit < what the
+# consumer / HTTP API waits < the browser (which never gives up: it shows the elapsed time).
+CEILING_ENGINE_FIRST_TOKEN_S = envfloat("CEILING_ENGINE_FIRST_TOKEN_S", 50.0, minimum=0.1)
+CEILING_ENGINE_DEADLINE_S = envfloat("CEILING_ENGINE_DEADLINE_S", 240.0, minimum=0.1)
 CEILING_FIRST_TOKEN_TIMEOUT_S = envfloat("CEILING_FIRST_TOKEN_TIMEOUT_S", 60.0, minimum=0.1)
 CEILING_TOTAL_TIMEOUT_S = envfloat("CEILING_TOTAL_TIMEOUT_S", 300.0, minimum=0.1)
-# Celery's hard limit sits above the consumer's total timeout so the consumer speaks first.
-CEILING_TASK_TIME_LIMIT_S = envint("CEILING_TASK_TIME_LIMIT_S", 330, minimum=1)
+CEILING_TASK_SOFT_TIME_LIMIT_S = envint("CEILING_TASK_SOFT_TIME_LIMIT_S", 270, minimum=1)
+CEILING_TASK_TIME_LIMIT_S = envint("CEILING_TASK_TIME_LIMIT_S", 290, minimum=1)
+if not (
+    CEILING_ENGINE_FIRST_TOKEN_S < CEILING_FIRST_TOKEN_TIMEOUT_S
+    and CEILING_ENGINE_DEADLINE_S < CEILING_TASK_SOFT_TIME_LIMIT_S < CEILING_TASK_TIME_LIMIT_S < CEILING_TOTAL_TIMEOUT_S
+):
+    raise ImproperlyConfigured(
+        "Timeouts must nest: CEILING_ENGINE_FIRST_TOKEN_S < CEILING_FIRST_TOKEN_TIMEOUT_S and CEILING_ENGINE_DEADLINE_S < "
+        "CEILING_TASK_SOFT_TIME_LIMIT_S < CEILING_TASK_TIME_LIMIT_S < CEILING_TOTAL_TIMEOUT_S"
+    )
 
 # --- The budget guard ---------------------------------------------------------------------------
 # Redis round trips of the guard give up after this long: refusing fast beats hanging (fail closed).

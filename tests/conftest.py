@@ -72,6 +72,7 @@ def start_stack(redis_client: redis.Redis, name: str, worker_name: str) -> tuple
         REDIS_URL=settings.REDIS_URL,
         # Short enough that a broken test fails fast, long enough for a loaded 2-core machine.
         CEILING_FIRST_TOKEN_TIMEOUT_S="60",
+        CEILING_ENGINE_FIRST_TOKEN_S="50",
         CEILING_METRICS_TOKEN="test-metrics-token",
     )
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)

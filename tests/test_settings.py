@@ -67,3 +67,19 @@ def test_redis_urls():
     assert celery_url_from_redis_url("redis://h:6379/1") == "redis://h:6379/1"
     with pytest.raises(ImproperlyConfigured, match="must start with redis://"):
         check_redis_url("http://127.0.0.1:6379")
+
+
+def test_timeouts_must_nest():
+    """engine deadline < Celery soft limit < hard limit < what the consumer waits: else start-up fails."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    result = subprocess.run(
+        [sys.executable, "-c", "import project.settings"],
+        env={"CEILING_ENGINE_DEADLINE_S": "400", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert result.returncode != 0 and "Timeouts must nest" in result.stderr

@@ -14,6 +14,37 @@
   const history = [];
   let socket = null;
   let current = null; // {item, text} of the answer being streamed
+  let lastRequest = null; // {messages, max_tokens, feature}: what "retry with a shorter answer" resends
+  let waiting = null; // {started, firstTokenAt, timer}: the visible "waiting for the model" state
+  const RETRYABLE = new Set(["timeout", "engine_failed", "engine_unavailable", "internal"]);
+
+  function startWaiting() {
+    stopWaiting();
+    waiting = { started: performance.now(), firstTokenAt: null };
+    waiting.timer = setInterval(() => {
+      const seconds = ((performance.now() - waiting.started) / 1000).toFixed(1);
+      statusLine.textContent = waiting.firstTokenAt ? `Answering… ${seconds} s` : `Waiting for the model… ${seconds} s`;
+    }, 100);
+  }
+
+  function stopWaiting() {
+    if (waiting) clearInterval(waiting.timer);
+    waiting = null;
+  }
+
+  function offerShorterRetry(item) {
+    if (!lastRequest) return;
+    const shorter = Math.max(16, Math.floor(lastRequest.max_tokens / 2));
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "retry";
+    button.textContent = `Retry with a shorter answer (${shorter} tokens)`;
+    button.addEventListener("click", () => {
+      button.remove();
+      send({ ...lastRequest, max_tokens: shorter });
+    });
+    item.appendChild(button);
+  }
 
   for (const name of config.features) {
     const option = document.createElement("option");
@@ -54,6 +85,7 @@
     });
     socket.addEventListener("close", () => {
       statusLine.textContent = "Disconnected; reconnecting…";
+      stopWaiting();
       if (current) finishAnswer("(connection lost)");
       setBusy(false);
       setTimeout(connect, 2000);
@@ -69,10 +101,12 @@
         break;
       case "token":
         if (!current) return;
+        if (waiting && !waiting.firstTokenAt) waiting.firstTokenAt = performance.now();
         current.text += frame.text;
         current.item.textContent = current.text;
         break;
       case "done":
+        stopWaiting();
         history.push({ role: "assistant", content: current ? current.text : "" });
         finishAnswer(
           `${frame.usage.completion_tokens} tokens · first token ${frame.ttft_ms} ms · total ${frame.total_ms} ms · ${frame.finish_reason}`
@@ -83,21 +117,22 @@
         addItem("notice", frame.message);
         break;
       case "refused":
+        stopWaiting();
         history.pop();
         addItem("notice", frame.message);
         statusLine.textContent = "Refused.";
         setBusy(false);
         break;
-      case "error":
-        if (current) {
-          finishAnswer(frame.message);
-        } else {
-          addItem("notice", frame.message);
-          setBusy(false);
-        }
-        history.pop();
+      case "error": {
+        stopWaiting();
+        const item = current ? current.item : addItem("notice", frame.message);
+        if (current) finishAnswer(frame.message);
+        else setBusy(false);
+        if (RETRYABLE.has(frame.code)) offerShorterRetry(item);
+        else history.pop();
         statusLine.textContent = "Ready.";
         break;
+      }
     }
   }
 
@@ -114,16 +149,19 @@
     history.push({ role: "user", content: text });
     addItem("user", text);
     prompt.value = "";
-    setBusy(true);
-    socket.send(
-      JSON.stringify({
-        type: "chat",
-        feature: featureSelect.value,
-        messages: history,
-        max_tokens: parseInt(maxTokens.value, 10) || config.default_max_tokens,
-      })
-    );
+    send({
+      feature: featureSelect.value,
+      messages: history.slice(),
+      max_tokens: parseInt(maxTokens.value, 10) || config.default_max_tokens,
+    });
   });
+
+  function send(request) {
+    lastRequest = request;
+    setBusy(true);
+    startWaiting();
+    socket.send(JSON.stringify({ type: "chat", ...request }));
+  }
 
   prompt.addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey) {
@@ -133,6 +171,8 @@
   });
 
   cancelButton.addEventListener("click", () => {
+    stopWaiting();
+    statusLine.textContent = "Stopped.";
     if (socket && socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify({ type: "cancel" }));
     if (current) {
       history.push({ role: "assistant", content: current.text });
