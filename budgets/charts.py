@@ -59,6 +59,13 @@ def last_hour_counts(now: datetime) -> dict:
     return counts
 
 
+def cache_savings_this_month(now: datetime) -> dict:
+    start, end = period_bounds("month", now)
+    return TokenLog.objects.filter(created_at__gte=start, created_at__lt=end).exclude(cache="").aggregate(
+        hits=Count("id"), saved_micro_usd=Sum("saved_micro_usd")
+    )
+
+
 def alerts_this_month(now: datetime) -> list[Alert]:
     return list(Alert.objects.filter(period_key=period_key("month", now)).order_by("-created_at")[:20])
 

@@ -169,7 +169,11 @@ def caps_forms(
 class FeatureForm(forms.ModelForm):
     class Meta:
         model = Feature
-        fields = ["name", "description", "enabled", "max_input_tokens", "max_output_tokens", "provider"]
+        fields = [
+            "name", "description", "enabled", "max_input_tokens", "max_output_tokens", "provider",
+            "cache_ttl_s", "semantic_threshold", "cache_shared",
+        ]
+        labels = {"cache_ttl_s": "Answer cache TTL (seconds)", "semantic_threshold": "Semantic cache threshold"}
         help_texts = {
             "name": "What clients send as \"feature\": lowercase letters, digits, - and _. Renaming breaks clients that use the old name.",
             "max_input_tokens": "Longer prompts are refused.",
@@ -180,6 +184,12 @@ class FeatureForm(forms.ModelForm):
         super().__init__(*args, **kwargs)
         self.fields["provider"].queryset = Provider.objects.order_by("name")
         self.fields["provider"].empty_label = "the default provider (local)"
+
+    def clean_semantic_threshold(self) -> float | None:
+        value = self.cleaned_data.get("semantic_threshold")
+        if value is not None and not 0 < value <= 1:
+            raise forms.ValidationError("A cosine similarity threshold is above 0 and at most 1 (0.95 is a careful start).")
+        return value
 
 
 # --- providers and prices ------------------------------------------------------------------------

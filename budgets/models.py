@@ -93,6 +93,13 @@ class Feature(models.Model):
     max_input_tokens = models.PositiveIntegerField(default=2048, validators=[MinValueValidator(1)])
     max_output_tokens = models.PositiveIntegerField(default=512, validators=[MinValueValidator(1)])
     provider = models.ForeignKey(Provider, null=True, blank=True, on_delete=models.PROTECT, related_name="features")
+    # Response caches: off while cache_ttl_s is 0. Answers are reused only for the same user unless
+    # staff mark the feature shareable (it must carry no personal data).
+    cache_ttl_s = models.PositiveIntegerField(default=0, help_text="0 switches the answer caches off")
+    semantic_threshold = models.FloatField(
+        null=True, blank=True, help_text="cosine similarity for a semantic hit (e.g. 0.95); empty = exact only"
+    )
+    cache_shared = models.BooleanField(default=False, help_text="reuse answers across users (no personal data)")
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
@@ -129,6 +136,9 @@ class TokenLog(models.Model):
     cached_tokens = models.PositiveIntegerField(default=0)
     max_tokens = models.PositiveIntegerField(default=0)
     cost_micro_usd = models.BigIntegerField(default=0)
+    # Served from an answer cache ("exact" / "semantic", cost 0) and what the original answer cost.
+    cache = models.CharField(max_length=16, blank=True)
+    saved_micro_usd = models.BigIntegerField(default=0)
     admitted = models.BooleanField(default=False)  # the guard reserved for it in Redis
     # Its reservation was released in Redis; false on a finished row means a settle to retry.
     counters_settled = models.BooleanField(default=False)

