@@ -51,11 +51,12 @@ def parse_frame(text: str | None) -> ChatFrame | CancelFrame:
     if kind == "cancel":
         return CancelFrame()
     if kind == "chat":
-        return _parse_chat(data)
+        return parse_chat(data)
     raise FrameError("unknown_type", f"Unknown frame type {kind!r}; expected \"chat\" or \"cancel\".")
 
 
-def _parse_chat(data: dict) -> ChatFrame:
+def parse_chat(data: dict) -> ChatFrame:
+    """The fields of a chat request (also the body of POST /v1/chat/completions), validated."""
     feature = data.get("feature", "chat")
     if not isinstance(feature, str) or not feature:
         raise FrameError("bad_feature", "\"feature\" must be the name of a feature, such as \"chat\".")

@@ -1,7 +1,9 @@
 from django.urls import path
 
-from . import views
+from . import api, views
 
 urlpatterns = [
     path("chat/", views.chat, name="chat"),
+    path("v1/chat/completions", api.chat_completions, name="api-chat-completions"),
+    path("v1/models", api.list_models, name="api-models"),
 ]

@@ -1,0 +1,55 @@
+"""Per-user API keys for the OpenAI-compatible HTTP API.
+
+The key itself is shown once, when it is created; only its SHA-256 is stored. A key has 192 bits
+of randomness, so a plain hash (no salt, no stretching) is enough, and it lets a request find its
+key with one indexed lookup instead of comparing secrets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from django.conf import settings
+from django.db import models
+
+KEY_PREFIX = "ck_"
+SHOWN_CHARS = 8  # of the key, kept in the clear so a person can tell their keys apart
+
+
+def hash_key(plaintext: str) -> str:
+    return hashlib.sha256(plaintext.encode()).hexdigest()
+
+
+class ApiKeyQuerySet(models.QuerySet):
+    def active(self) -> ApiKeyQuerySet:
+        return self.filter(revoked_at__isnull=True, user__is_active=True)
+
+    def for_plaintext(self, plaintext: str) -> ApiKey | None:
+        """The active key with this text, or None (unknown, revoked, or its user deactivated)."""
+        # Found by hash: the database never compares the secret itself, so timing tells nothing.
+        if not plaintext.startswith(KEY_PREFIX) or len(plaintext) > 200:
+            return None
+        return self.active().select_related("user").filter(hashed_key=hash_key(plaintext)).first()
+
+
+class ApiKey(models.Model):
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=SHOWN_CHARS)
+    hashed_key = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField()
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    objects = ApiKeyQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["user", "created_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix}…)"
+
+    @property
+    def is_active(self) -> bool:
+        return self.revoked_at is None

@@ -1,0 +1,323 @@
+"""The OpenAI-compatible HTTP API: POST /v1/chat/completions and GET /v1/models.
+
+Authenticated by per-user API keys (`Authorization: Bearer ck_…`, accounts/models.py). A completion
+goes through the same session as the websocket (inference/session.py): the same validation, guard,
+ledger rows and cancellation. The session's first event decides the status code, so a refusal is a
+429 (or 400/403/503, see `refusal_status`) even when a stream was asked for; after `accepted` the
+answer is either collected into one chat.completion or streamed as server-sent events.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from functools import wraps
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from accounts.actions import do_touch_api_key
+from accounts.models import ApiKey
+
+from .frames import ChatFrame, FrameError, parse_chat
+from .session import INTERNAL_ERROR, run_chat
+
+View = Callable[..., Awaitable[HttpResponse]]
+
+# Which request field a validation error is about, for the error body's "param".
+PARAMS = {
+    "bad_messages": "messages",
+    "bad_role": "messages",
+    "empty_content": "messages",
+    "bad_max_tokens": "max_tokens",
+    "bad_feature": "feature",
+    "unknown_feature": "feature",
+    "bad_loop_id": "loop_id",
+    "bad_model": "model",
+    "bad_stream": "stream",
+}
+SPEND_CODES = ("provider_spend", "loop_spend")
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def error_body(message: str, *, type: str, code: str | None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def api_error(
+    status: int, message: str, *, type: str, code: str | None, param: str | None = None, headers: dict | None = None
+) -> JsonResponse:
+    return JsonResponse(error_body(message, type=type, code=code, param=param), status=status, headers=headers)
+
+
+def invalid_request(exc: FrameError) -> JsonResponse:
+    status = 413 if exc.code == "request_too_large" else 400
+    return api_error(status, exc.message, type="invalid_request_error", code=exc.code, param=PARAMS.get(exc.code))
+
+
+def refusal_status(code: str) -> tuple[int, str]:
+    """(HTTP status, OpenAI error type) of a refusal: caps and spend are 429, as OpenAI's are."""
+    if code == "max_input_tokens":
+        return 400, "invalid_request_error"  # the request itself is too long: waiting never helps
+    if code == "feature_disabled":
+        return 403, "permission_error"
+    if code == "guard_unavailable":
+        return 503, "server_error"
+    if code in SPEND_CODES or "_cost_per_" in code:
+        return 429, "insufficient_quota"
+    return 429, "rate_limit_exceeded"
+
+
+def refusal_response(event: dict) -> JsonResponse:
+    status, kind = refusal_status(event["code"])
+    headers = {}
+    if event.get("retry_after_s"):
+        headers["Retry-After"] = str(event["retry_after_s"])
+    elif status == 429:
+        headers["x-should-retry"] = "false"  # tells OpenAI's clients that retrying will not help
+    return api_error(status, event["message"], type=kind, code=event["code"], headers=headers)
+
+
+def error_event(event: dict) -> tuple[int, dict]:
+    """(status, body) of a session `error` event: a bad request, or the engine or we failed."""
+    if event["code"] == "unknown_feature":
+        return 400, error_body(event["message"], type="invalid_request_error", code=event["code"], param="feature")
+    status = 500 if event["code"] == "internal" else 503
+    return status, error_body(event["message"], type="server_error", code=event["code"])
+
+
+def error_event_response(event: dict) -> JsonResponse:
+    status, body = error_event(event)
+    return JsonResponse(body, status=status)
+
+
+# --- authentication ----------------------------------------------------------------------------
+
+
+def api_key_required(view: View) -> View:
+    """Bearer API key → request.api_key (with its user), else a 401 in OpenAI's shape."""
+
+    @wraps(view)
+    async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return _unauthorized("missing_api_key", "Send your API key as 'Authorization: Bearer <key>'. Create one at /accounts/keys/.")
+        key = await authenticate(token.strip())
+        if key is None:
+            return _unauthorized("invalid_api_key", "This API key is not valid: it is unknown, revoked, or its user is deactivated.")
+        request.api_key = key
+        return await view(request, *args, **kwargs)
+
+    return wrapper
+
+
+@database_sync_to_async
+def authenticate(token: str) -> ApiKey | None:
+    key = ApiKey.objects.for_plaintext(token)
+    if key is not None:
+        do_touch_api_key(key)
+    return key
+
+
+def _unauthorized(code: str, message: str) -> JsonResponse:
+    return api_error(401, message, type="authentication_error", code=code, headers={"WWW-Authenticate": "Bearer"})
+
+
+# --- request parsing ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A validated completion request: the session's frame plus what only the HTTP API has."""
+
+    frame: ChatFrame
+    model: str
+    stream: bool
+
+
+def read_body(request: HttpRequest) -> bytes:
+    """The body, refused by its declared size before anything reads or parses it."""
+    limit = settings.CEILING_MAX_FRAME_BYTES
+    declared = request.headers.get("Content-Length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"{int(declared):,} bytes", limit)
+    try:
+        body = request.body
+    except RequestDataTooBig:  # no Content-Length and above Django's own limit
+        raise _too_large("too large", limit) from None
+    if len(body) > limit:
+        raise _too_large(f"{len(body):,} bytes", limit)
+    return body
+
+
+def _too_large(size: str, limit: int) -> FrameError:
+    return FrameError("request_too_large", f"The request body is {size}; the limit is {limit:,} bytes.")
+
+
+def parse_chat_request(body: bytes) -> ChatRequest:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise FrameError("bad_json", "The request body is not valid JSON.") from None
+    if not isinstance(data, dict):
+        raise FrameError("bad_json", "The request body must be a JSON object.")
+    model = _first_given(data.get("model"), settings.CEILING_MODEL_NAME)
+    if not isinstance(model, str) or not model:
+        raise FrameError("bad_model", f'"model" must be a model name, such as "{settings.CEILING_MODEL_NAME}".')
+    stream = _first_given(data.get("stream"), False)
+    if not isinstance(stream, bool):
+        raise FrameError("bad_stream", "\"stream\" must be true or false.")
+    fields = {
+        "messages": _openai_messages(data.get("messages")),
+        "feature": data.get("feature"),
+        "loop_id": data.get("loop_id"),
+        # max_completion_tokens is the newer name of the same limit; either may be sent.
+        "max_tokens": _first_given(data.get("max_completion_tokens"), data.get("max_tokens")),
+    }
+    frame = parse_chat({name: value for name, value in fields.items() if value is not None})
+    return ChatRequest(frame, model, stream)
+
+
+def _first_given(*values: Any) -> Any:
+    return next((value for value in values if value is not None), None)
+
+
+def _openai_messages(messages: Any) -> Any:
+    """OpenAI's message shapes our validation does not know: text parts, the "developer" role."""
+    if not isinstance(messages, list):
+        return messages
+    return [_openai_message(message) for message in messages]
+
+
+def _openai_message(message: Any) -> Any:
+    if not isinstance(message, dict):
+        return message
+    content = message.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        content = "".join(str(p.get("text", "")) for p in content)
+    role = "system" if message.get("role") == "developer" else message.get("role")
+    return {"role": role, "content": content}
+
+
+# --- views -------------------------------------------------------------------------------------
+
+
+@csrf_exempt
+@api_key_required
+async def chat_completions(request: HttpRequest) -> HttpResponse:
+    if request.method != "POST":
+        return api_error(405, "Use POST for /v1/chat/completions.", type="invalid_request_error", code="method_not_allowed")
+    try:
+        chat = parse_chat_request(read_body(request))
+    except FrameError as exc:
+        return invalid_request(exc)
+    events = run_chat(request.api_key.user, chat.frame, get_channel_layer())
+    first = await anext(events, INTERNAL_ERROR)
+    if first["type"] != "accepted":
+        await events.aclose()
+        return refusal_response(first) if first["type"] == "refused" else error_event_response(first)
+    completion = Completion(first["request_id"], chat.model)
+    if chat.stream:
+        response = StreamingHttpResponse(stream_chunks(events, completion), content_type="text/event-stream")
+        response["Cache-Control"] = "no-cache"
+        response["X-Accel-Buffering"] = "no"  # proxies must pass each chunk on at once
+    else:
+        response = await collect_completion(events, completion)
+    response["X-Request-Id"] = completion.request_id
+    return response
+
+
+@csrf_exempt
+@api_key_required
+async def list_models(request: HttpRequest) -> HttpResponse:
+    if request.method != "GET":
+        return api_error(405, "Use GET for /v1/models.", type="invalid_request_error", code="method_not_allowed")
+    model = {"id": settings.CEILING_MODEL_NAME, "object": "model", "created": 0, "owned_by": "ceiling"}
+    return JsonResponse({"object": "list", "data": [model]})
+
+
+# --- responses ---------------------------------------------------------------------------------
+
+
+class Completion:
+    """The OpenAI objects of one answer; the id carries our request id, as in the TokenLog."""
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.request_id = request_id
+        self.id = f"chatcmpl-{request_id}"
+        self.model = model
+        self.created = int(time.time())
+
+    def chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self._object("chat.completion.chunk", choices=[choice])
+
+    def usage_chunk(self, done: dict) -> dict:
+        return self._object("chat.completion.chunk", choices=[], usage=usage(done))
+
+    def whole(self, text: str, done: dict) -> dict:
+        message = {"role": "assistant", "content": text, "refusal": None}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": done["finish_reason"]}
+        return self._object("chat.completion", choices=[choice], usage=usage(done))
+
+    def _object(self, kind: str, **fields) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, **fields}
+
+
+def usage(done: dict) -> dict:
+    numbers = done["usage"]
+    return {
+        "prompt_tokens": numbers["prompt_tokens"],
+        "completion_tokens": numbers["completion_tokens"],
+        "total_tokens": numbers["prompt_tokens"] + numbers["completion_tokens"],
+        "prompt_tokens_details": {"cached_tokens": numbers["cached_tokens"]},
+    }
+
+
+async def collect_completion(events: AsyncIterator[dict], completion: Completion) -> JsonResponse:
+    parts: list[str] = []
+    async with aclosing(events):
+        async for event in events:
+            if event["type"] == "token":
+                parts.append(event["text"])
+            elif event["type"] == "done":
+                return JsonResponse(completion.whole("".join(parts), event))
+            elif event["type"] == "error":
+                return error_event_response(event)
+    return error_event_response(INTERNAL_ERROR)
+
+
+async def stream_chunks(events: AsyncIterator[dict], completion: Completion) -> AsyncIterator[bytes]:
+    """Server-sent events as OpenAI streams them, with usage always included (include_usage).
+
+    Daphne hands a client's disconnect to Django, which cancels or closes this generator; closing
+    `events` then cancels the generation.
+    """
+    async with aclosing(events):
+        yield sse(completion.chunk({"role": "assistant", "content": ""}))
+        async for event in events:
+            if event["type"] == "token":
+                yield sse(completion.chunk({"content": event["text"]}))
+            elif event["type"] == "done":
+                yield sse(completion.chunk({}, finish_reason=event["finish_reason"]))
+                yield sse(completion.usage_chunk(event))
+                yield b"data: [DONE]\n\n"
+                return
+            elif event["type"] == "error":
+                # Headers are gone already: the error travels as a chunk, which OpenAI's clients raise.
+                yield sse(error_event(event)[1])
+                return
+
+
+def sse(data: dict) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"

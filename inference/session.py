@@ -1,0 +1,249 @@
+"""One chat request from a validated frame to its last event, shared by the websocket and the HTTP API.
+
+    async with aclosing(run_chat(user, frame, channel_layer)) as events:
+        async for event in events:      # wire-protocol events (README, "Wire protocol")
+            ...
+
+The events are exactly the server → client frames of /ws/chat/: `accepted`, `notice`, `token`…,
+then one terminal event (`done`, `refused` or `error`). Refusals are logged before they are
+yielded. Whoever stops iterating early (a closed socket, a dropped HTTP stream, a cancelled task)
+cancels the generation: the generator's `finally` tells the worker to stop, and the request is
+settled at the tokens actually generated.
+
+Tokens come back from the worker through the channel-layer group "req.<request_id>". Each request
+gets a fresh channel of its own, so it needs no consumer around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
+from channels.layers import BaseChannelLayer
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+
+from budgets.actions import do_log_refusal
+from budgets.guard import Decision, LoopLimits
+from budgets.models import Feature, TokenLog
+
+from . import bus
+from .actions import do_admit_request, do_finish_request, settle_reservation
+from .frames import ChatFrame
+from .tokenizer import chat_prompt_ids, input_too_long_by_count, input_too_long_by_size, model_name
+
+log = logging.getLogger(__name__)
+
+TERMINAL = frozenset({"done", "refused", "error"})
+INTERNAL_ERROR = {"type": "error", "code": "internal", "message": "Something went wrong on our side; please try again."}
+
+# Admissions whose caller went away while the guard was deciding; kept referenced until they finish.
+_abandoned: set[asyncio.Task] = set()
+
+
+async def run_chat(user: AbstractBaseUser, frame: ChatFrame, channel_layer: BaseChannelLayer) -> AsyncIterator[dict]:
+    """Admit one chat request and yield its events; an unexpected failure ends with an `internal` error."""
+    request_id = uuid.uuid4().hex
+    try:
+        async with aclosing(_admit_and_stream(request_id, user, frame, channel_layer)) as events:
+            async for event in events:
+                yield event
+    except Exception:
+        log.exception("chat request %s failed", request_id)
+        yield dict(INTERNAL_ERROR)
+
+
+async def _admit_and_stream(
+    request_id: str, user: AbstractBaseUser, frame: ChatFrame, layer: BaseChannelLayer
+) -> AsyncIterator[dict]:
+    feature = await get_feature(frame.feature)
+    if feature is None:
+        yield {"type": "error", "code": "unknown_feature", "message": f"There is no feature named {frame.feature!r}."}
+        return
+    prompt_ids, refusal = await _check_before_guard(request_id, user, feature, frame)
+    if refusal is not None:
+        yield refusal
+        return
+    max_tokens = min(frame.max_tokens, feature.max_output_tokens)
+    group = bus.request_group(request_id)
+    channel = await layer.new_channel()
+    # Join the group before the worker can publish the first token.
+    await layer.group_add(group, channel)
+    ended = False  # nothing left to stop: the worker finished it, or the guard refused it
+    try:
+        loop = LoopLimits(frame.loop_id, settings.CEILING_LOOP_MAX_CALLS, settings.CEILING_LOOP_MAX_COST_MICRO_USD) if frame.loop_id else None
+        decision = await _admit_shielded(request_id, user, feature, frame.messages, prompt_ids, max_tokens, loop)
+        if not decision.admitted:
+            ended = True
+            yield {"type": "refused", "code": decision.code, "message": decision.message, "retry_after_s": decision.retry_after_s}
+            return
+        # Dispatch before announcing it: from here on, stopping early only needs a cancel.
+        await dispatch_generation(request_id)
+        yield {"type": "accepted", "request_id": request_id, "prompt_tokens": len(prompt_ids), "max_tokens": decision.max_tokens}
+        if decision.warning:
+            yield {"type": "notice", "code": "nearing_cap", "message": decision.warning}
+        async for event in _relay(layer, channel, request_id):
+            ended = event["type"] in TERMINAL
+            yield event
+    finally:
+        try:
+            if not ended:
+                # Cancelled, closed early or failed half-way: the engine must not keep generating.
+                await bus.arequest_cancel(request_id)
+        finally:
+            await layer.group_discard(group, channel)
+
+
+async def _check_before_guard(
+    request_id: str, user: AbstractBaseUser, feature: Feature, frame: ChatFrame
+) -> tuple[list[int], dict | None]:
+    """(the prompt's token ids, None), or the refusal decided here rather than by the guard (logged)."""
+    if not feature.enabled:
+        message = f"The feature {feature.name!r} is switched off by the operators."
+        await log_refusal(request_id, user, feature, "feature_disabled", message, 0, frame.max_tokens)
+        return [], {"type": "refused", "code": "feature_disabled", "message": message, "retry_after_s": None}
+    limit = min(feature.max_input_tokens, settings.CEILING_MAX_INPUT_TOKENS)
+    prompt_ids: list[int] = []
+    refusal = input_too_long_by_size(frame.messages, limit)
+    if refusal is None:
+        prompt_ids = await sync_to_async(chat_prompt_ids, thread_sensitive=False)(frame.messages)
+        refusal = input_too_long_by_count(len(prompt_ids), limit)
+    if refusal is not None:
+        await log_refusal(request_id, user, feature, "max_input_tokens", refusal, len(prompt_ids), frame.max_tokens)
+        return prompt_ids, {"type": "refused", "code": "max_input_tokens", "message": refusal, "retry_after_s": None}
+    return prompt_ids, None
+
+
+async def _admit_shielded(request_id, user, feature, messages, prompt_ids, max_tokens, loop) -> Decision:
+    """Ask the guard; if our caller goes away meanwhile, an admitted request is closed as cancelled.
+
+    The guard runs in a thread that cancelling cannot stop, so without this a request admitted just
+    after its client left would hold its reservation until reconciliation fails it.
+    """
+    admission = asyncio.ensure_future(admit_request(request_id, user, feature, messages, prompt_ids, max_tokens, loop))
+    try:
+        return await asyncio.shield(admission)
+    except asyncio.CancelledError:
+        task = asyncio.ensure_future(_close_if_admitted(admission, len(prompt_ids)))
+        _abandoned.add(task)
+        task.add_done_callback(_abandoned.discard)
+        raise
+
+
+async def _close_if_admitted(admission: asyncio.Future, prompt_tokens: int) -> None:
+    try:
+        decision = await admission
+    except Exception:
+        log.exception("an abandoned admission failed")
+        return
+    if decision.admitted:
+        # Not thread-sensitive: the HTTP request this came from may be over, and its thread with it.
+        await sync_to_async(finish_undispatched, thread_sensitive=False)(
+            decision.request_id, TokenLog.Status.CANCELLED, prompt_tokens, "cancelled", ""
+        )
+
+
+async def _relay(layer: BaseChannelLayer, channel: str, request_id: str) -> AsyncIterator[dict]:
+    """The worker's messages as events until done/failed, within the first-token and total timeouts."""
+    started = time.monotonic()
+    first_token_seen = False
+    while True:
+        if first_token_seen:
+            budget = settings.CEILING_TOTAL_TIMEOUT_S - (time.monotonic() - started)
+        else:
+            budget = settings.CEILING_FIRST_TOKEN_TIMEOUT_S
+        try:
+            message = await asyncio.wait_for(layer.receive(channel), timeout=max(budget, 0.01))
+        except TimeoutError:
+            await bus.arequest_cancel(request_id)
+            yield _timeout_event(first_token_seen)
+            return
+        if message.get("request_id") != request_id:
+            continue
+        event = dict(message)
+        kind = event.pop("type")
+        if kind == "chat.token":
+            first_token_seen = True
+            yield {"type": "token", **event}
+        elif kind == "chat.done":
+            yield {"type": "done", **event, "cache": "miss"}
+            return
+        elif kind == "chat.failed":
+            yield {"type": "error", **event}
+            return
+
+
+def _timeout_event(first_token_seen: bool) -> dict:
+    what = "The answer did not finish" if first_token_seen else "The model did not start answering"
+    limit = settings.CEILING_TOTAL_TIMEOUT_S if first_token_seen else settings.CEILING_FIRST_TOKEN_TIMEOUT_S
+    return {"type": "error", "code": "timeout", "message": f"{what} within {limit:.0f} s; please try again."}
+
+
+# --- database and broker helpers -------------------------------------------------------------------
+
+
+@database_sync_to_async
+def get_feature(name: str) -> Feature | None:
+    return Feature.objects.filter(name=name).first()
+
+
+@database_sync_to_async
+def admit_request(request_id, user, feature, messages, prompt_ids, max_tokens, loop) -> Decision:
+    return do_admit_request(
+        request_id=request_id,
+        user=user,
+        feature=feature,
+        model=model_name(),
+        messages=messages,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        loop=loop,
+    )
+
+
+@database_sync_to_async
+def log_refusal(request_id, user, feature, code, message, prompt_tokens, max_tokens) -> None:
+    do_log_refusal(
+        request_id=request_id,
+        user=user,
+        feature=feature,
+        model=model_name(),
+        code=code,
+        message=message,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+    )
+
+
+@sync_to_async(thread_sensitive=False)
+def dispatch_generation(request_id: str) -> None:
+    from .tasks import generate
+
+    try:
+        generate.apply_async(args=[request_id], queue="inference", retry=False)
+    except Exception as exc:
+        # Never leave an admitted request holding its reservation because the broker was away.
+        fail_undispatched(request_id, str(exc))
+        raise
+
+
+def fail_undispatched(request_id: str, error: str) -> None:
+    finish_undispatched(request_id, TokenLog.Status.FAILED, 0, "", f"could not reach the workers: {error}")
+
+
+def finish_undispatched(request_id: str, status: str, prompt_tokens: int, finish_reason: str, error: str) -> None:
+    """Settle an admitted request that never reached a worker, and release its reservation."""
+    from django.db import close_old_connections
+
+    close_old_connections()
+    do_finish_request(
+        request_id, status=status, prompt_tokens=prompt_tokens, completion_ids=[], text="",
+        finish_reason=finish_reason, ttft_ms=None, error=error,
+    )
+    settle_reservation(request_id)

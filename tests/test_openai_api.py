@@ -1,0 +1,306 @@
+"""The OpenAI-compatible API, driven by the official `openai` client against the real stack."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from email.message import Message
+
+import openai
+import psycopg
+import pytest
+from django.conf import settings
+from openai import OpenAI
+
+from accounts.actions import do_create_api_key, do_revoke_api_key
+from budgets.models import Feature, Quota, TokenLog
+from inference.api import refusal_status
+from inference.models import Transcript
+from tests.conftest import _test_database_url, wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(autouse=True)
+def clean_counters(redis_db):
+    for key in redis_db.scan_iter(match="ceiling:c:*"):
+        redis_db.delete(key)
+
+
+@pytest.fixture
+def alice_key(alice) -> str:
+    return do_create_api_key(alice, "tests")[1]
+
+
+def client_for(live_stack, key: str) -> OpenAI:
+    # No retries: a test must see the first answer, not the SDK's second try.
+    return OpenAI(base_url=f"{live_stack.http_url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def ask(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def request_id_of(completion_id: str) -> str:
+    assert completion_id.startswith("chatcmpl-")
+    return completion_id.removeprefix("chatcmpl-")
+
+
+def post_raw(live_stack, body: bytes, key: str | None) -> tuple[int, Message, bytes]:
+    """A POST to /v1/chat/completions with exactly these bytes: (status, headers, body)."""
+    request = urllib.request.Request(
+        f"{live_stack.http_url}/v1/chat/completions", data=body, method="POST",
+        headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, error.read()
+
+
+def test_a_completion_is_one_object_that_matches_the_ledger(live_stack, alice, alice_key, chat_feature):
+    completion = client_for(live_stack, alice_key).chat.completions.create(
+        model=MODEL, messages=ask("What is the capital of France?"), max_tokens=24
+    )
+
+    assert completion.object == "chat.completion" and completion.model == MODEL
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant" and "Paris" in choice.message.content
+    log = TokenLog.objects.get(request_id=request_id_of(completion.id))
+    assert log.status == TokenLog.Status.OK and log.user == alice and log.feature == chat_feature
+    assert choice.finish_reason == log.finish_reason in ("stop", "length")
+    assert completion.usage.prompt_tokens == log.prompt_tokens > 0
+    assert completion.usage.completion_tokens == log.completion_tokens > 0
+    assert completion.usage.total_tokens == log.prompt_tokens + log.completion_tokens
+    assert Transcript.objects.get(log=log).response_text == choice.message.content
+
+
+def test_a_streamed_completion_sends_chunks_then_usage(live_stack, alice, alice_key, chat_feature):
+    summaries = Feature.objects.create(name="summaries", description="Summaries")
+    stream = client_for(live_stack, alice_key).chat.completions.create(
+        model="any-name-is-echoed", messages=ask("Name three colours."), max_completion_tokens=24, stream=True,
+        extra_body={"feature": "summaries"},
+    )
+    chunks = list(stream)
+
+    first, *middle, finish, last = chunks
+    assert all(c.object == "chat.completion.chunk" and c.model == "any-name-is-echoed" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert first.choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in [first, *middle])
+    assert text.strip() and all(c.choices[0].finish_reason is None for c in [first, *middle])
+    assert last.choices == [] and last.usage is not None
+
+    log = TokenLog.objects.get(request_id=request_id_of(first.id))
+    assert log.status == TokenLog.Status.OK and log.user == alice and log.feature == summaries
+    assert finish.choices[0].finish_reason == log.finish_reason
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (log.prompt_tokens, log.completion_tokens)
+    assert last.usage.total_tokens == log.prompt_tokens + log.completion_tokens
+    assert Transcript.objects.get(log=log).response_text == text
+
+
+def test_the_stream_is_server_sent_events_ending_with_done(live_stack, alice_key, chat_feature):
+    body = json.dumps({"model": MODEL, "messages": ask("Say hi."), "max_tokens": 4, "stream": True}).encode()
+    status, headers, raw = post_raw(live_stack, body, alice_key)
+
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = raw.decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert json.loads(events[-3].removeprefix("data: "))["usage"]["total_tokens"] > 0
+    assert headers["X-Request-Id"] == json.loads(events[0].removeprefix("data: "))["id"].removeprefix("chatcmpl-")
+
+
+def test_the_models_list_names_the_served_model(live_stack, alice_key):
+    models = list(client_for(live_stack, alice_key).models.list())
+    assert [(m.id, m.object, m.owned_by) for m in models] == [(settings.CEILING_MODEL_NAME, "model", "ceiling")]
+
+
+def test_a_spent_cap_is_a_429_with_the_guards_sentence(live_stack, alice_key, chat_feature):
+    Quota.objects.create(period="day", max_requests=1)
+    client = client_for(live_stack, alice_key)
+    client.chat.completions.create(model=MODEL, messages=ask("Say yes."), max_tokens=2)
+
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(model=MODEL, messages=ask("Say yes."), max_tokens=2, stream=True)
+
+    error = refused.value
+    assert error.status_code == 429 and error.code == "user_requests_per_day" and error.type == "rate_limit_exceeded"
+    assert error.body["message"].startswith("You have made 1 of your 1 requests for today.")
+    assert 0 < int(error.response.headers["Retry-After"]) <= 86400
+    assert TokenLog.objects.filter(status=TokenLog.Status.REFUSED, refusal_code="user_requests_per_day").count() == 1
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "kind"),
+    [
+        ("user_requests_per_day", 429, "rate_limit_exceeded"),
+        ("feature_tokens_per_month", 429, "rate_limit_exceeded"),
+        ("loop_calls", 429, "rate_limit_exceeded"),
+        ("user_cost_per_day", 429, "insufficient_quota"),
+        ("provider_spend", 429, "insufficient_quota"),
+        ("loop_spend", 429, "insufficient_quota"),
+        ("max_input_tokens", 400, "invalid_request_error"),
+        ("feature_disabled", 403, "permission_error"),
+        ("guard_unavailable", 503, "server_error"),
+    ],
+)
+def test_each_refusal_has_its_status_and_type(code, status, kind):
+    assert refusal_status(code) == (status, kind)
+
+
+def test_a_missing_bad_or_revoked_key_is_a_401(live_stack, alice, chat_feature):
+    key, plaintext = do_create_api_key(alice, "soon revoked")
+    body = json.dumps({"messages": ask("hi")}).encode()
+
+    status, headers, raw = post_raw(live_stack, body, key=None)
+    assert status == 401 and headers["WWW-Authenticate"] == "Bearer"
+    assert json.loads(raw)["error"]["type"] == "authentication_error"
+    assert json.loads(raw)["error"]["code"] == "missing_api_key"
+
+    for bad in ("ck_not-a-real-key", "sk-" + plaintext[3:]):
+        with pytest.raises(openai.AuthenticationError) as denied:
+            client_for(live_stack, bad).chat.completions.create(model=MODEL, messages=ask("hi"))
+        assert denied.value.code == "invalid_api_key" and denied.value.type == "authentication_error"
+
+    client_for(live_stack, plaintext).models.list()
+    do_revoke_api_key(key)
+    with pytest.raises(openai.AuthenticationError):
+        client_for(live_stack, plaintext).models.list()
+    assert not TokenLog.objects.exists()
+
+
+BAD_BODIES = [
+    (b"not json", "bad_json", None),
+    (b"[1, 2]", "bad_json", None),
+    (json.dumps({"model": MODEL}), "bad_messages", "messages"),
+    (json.dumps({"messages": "hello"}), "bad_messages", "messages"),
+    (json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), "bad_role", "messages"),
+    (json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}), "bad_role", "messages"),
+    (json.dumps({"messages": [{"role": "user", "content": " "}]}), "empty_content", "messages"),
+    (json.dumps({"messages": ask("hi"), "max_tokens": 0}), "bad_max_tokens", "max_tokens"),
+    (json.dumps({"messages": ask("hi"), "max_completion_tokens": "16"}), "bad_max_tokens", "max_tokens"),
+    (json.dumps({"messages": ask("hi"), "stream": "yes"}), "bad_stream", "stream"),
+    (json.dumps({"messages": ask("hi"), "model": 7}), "bad_model", "model"),
+    (json.dumps({"messages": ask("hi"), "feature": 7}), "bad_feature", "feature"),
+    (json.dumps({"messages": ask("hi"), "feature": "no-such-feature"}), "unknown_feature", "feature"),
+]
+
+
+def test_bad_input_is_a_400_that_costs_nothing(live_stack, alice_key, chat_feature):
+    for body, code, param in BAD_BODIES:
+        status, _, raw = post_raw(live_stack, body if isinstance(body, bytes) else body.encode(), alice_key)
+        error = json.loads(raw)["error"]
+        assert (status, error["code"], error["param"]) == (400, code, param), body
+        assert error["type"] == "invalid_request_error" and error["message"]
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        client_for(live_stack, alice_key).chat.completions.create(model=MODEL, messages=ask("hi"), max_tokens=10**9)
+    assert bad.value.code == "bad_max_tokens"
+    assert not TokenLog.objects.exists()
+    assert "Traceback" not in live_stack.daphne_output()
+
+
+def test_openai_message_shapes_are_understood(live_stack, alice_key, chat_feature):
+    messages = [
+        {"role": "developer", "content": "Answer in one word."},
+        {"role": "user", "content": [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]},
+    ]
+    completion = client_for(live_stack, alice_key).chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+    transcript = Transcript.objects.get(log__request_id=request_id_of(completion.id))
+    assert transcript.messages == [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+
+
+def test_a_body_over_the_limit_is_a_413(live_stack, alice_key, chat_feature):
+    body = json.dumps({"messages": ask("x" * 100_000)}).encode()
+    status, _, raw = post_raw(live_stack, body, alice_key)
+
+    error = json.loads(raw)["error"]
+    assert status == 413 and error["code"] == "request_too_large"
+    assert f"{len(body):,} bytes" in error["message"] and "65,536" in error["message"]
+    assert not TokenLog.objects.exists()
+
+
+def _settled(request_id: str) -> TokenLog | None:
+    log = TokenLog.objects.filter(request_id=request_id).first()
+    return log if log is not None and log.status != TokenLog.Status.RUNNING else None
+
+
+def test_closing_a_stream_early_cancels_the_generation(live_stack, alice_key, chat_feature):
+    stream = client_for(live_stack, alice_key).chat.completions.create(
+        model=MODEL, messages=ask("Write a very long story about a lighthouse keeper."), max_tokens=400, stream=True
+    )
+    chunks = []
+    for chunk in stream:
+        chunks.append(chunk)
+        if len(chunks) == 4:
+            break
+    stream.close()
+    closed_at = time.time()
+
+    log = wait_for(lambda: _settled(request_id_of(chunks[0].id)), timeout=10)
+    assert log.status == TokenLog.Status.CANCELLED and log.finish_reason == "cancelled"
+    assert log.finished_at.timestamp() - closed_at < 2.0
+    assert 3 <= log.completion_tokens < 400
+
+
+def raw_request(key: str, data: dict) -> bytes:
+    """An HTTP/1.1 request as bytes, for tests that hang up on the server from a plain socket."""
+    body = json.dumps(data).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def test_a_client_that_goes_away_before_the_answer_cancels_it(live_stack, alice_key, chat_feature):
+    with socket.create_connection((live_stack.host, live_stack.port)) as conn:
+        conn.sendall(raw_request(alice_key, {"messages": ask("Write a very long story about a lighthouse keeper."), "max_tokens": 400}))
+        started = wait_for(lambda: TokenLog.objects.filter(status=TokenLog.Status.RUNNING).first(), timeout=30)
+        wait_for(lambda: Transcript.objects.filter(log=started).exists(), timeout=10)
+        time.sleep(0.5)  # a few tokens in
+    closed_at = time.time()
+
+    log = wait_for(lambda: _settled(started.request_id), timeout=10)
+    assert log.status == TokenLog.Status.CANCELLED
+    assert log.finished_at.timestamp() - closed_at < 2.0
+    assert log.completion_tokens < 400
+
+
+def _admission_is_blocked() -> bool:
+    with psycopg.connect(_test_database_url(), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO \"budgets_tokenlog\"%%'"
+        ).fetchone()
+    return row[0] > 0
+
+
+def test_a_client_that_leaves_while_the_guard_decides_holds_nothing(live_stack, alice_key, chat_feature):
+    Quota.objects.create(period="day", max_tokens=10_000)  # so that admission reserves something
+    # Hold the ledger so that admission is caught mid-way, then let the client go.
+    with psycopg.connect(_test_database_url()) as conn:
+        conn.execute("LOCK TABLE budgets_tokenlog IN EXCLUSIVE MODE")
+        try:
+            with socket.create_connection((live_stack.host, live_stack.port)) as client:
+                client.sendall(raw_request(alice_key, {"messages": ask("Write a long story."), "max_tokens": 400}))
+                wait_for(_admission_is_blocked, timeout=30)
+            time.sleep(0.5)  # daphne tells Django the client is gone; the view is cancelled
+        finally:
+            conn.rollback()
+
+    log = wait_for(lambda: TokenLog.objects.exclude(status=TokenLog.Status.RUNNING).first(), timeout=10)
+    assert TokenLog.objects.count() == 1
+    assert log.status == TokenLog.Status.CANCELLED and log.admitted
+    assert log.completion_tokens == 0 and log.counter_keys
+    wait_for(lambda: TokenLog.objects.get(pk=log.pk).counters_settled, timeout=5)
