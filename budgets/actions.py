@@ -57,6 +57,30 @@ def do_log_refusal(
     return row
 
 
+def do_log_cache_hit(
+    *,
+    request_id: str,
+    user: AbstractBaseUser,
+    feature: Feature,
+    model: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    max_tokens: int,
+    kind: str,
+    saved_micro_usd: int,
+) -> TokenLog:
+    """An answer served from a cache: no model call, cost 0, and what the original answer cost."""
+    now = timezone.now()
+    row = TokenLog.objects.create(
+        request_id=request_id, user=user, feature=feature, model=model, status=TokenLog.Status.OK,
+        finish_reason="stop", prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        max_tokens=max_tokens, cost_micro_usd=0, cache=kind, saved_micro_usd=saved_micro_usd,
+        ttft_ms=0, total_ms=0, created_at=now, finished_at=now, counters_settled=True,
+    )
+    publish_on_commit(request_id)
+    return row
+
+
 def do_record_usage(
     request_id: str,
     *,

@@ -29,11 +29,11 @@ from channels.layers import BaseChannelLayer
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 
-from budgets.actions import do_log_refusal
+from budgets.actions import do_log_cache_hit, do_log_refusal
 from budgets.guard import Decision, LoopLimits
 from budgets.models import Feature, TokenLog
 
-from . import bus
+from . import bus, caches
 from .actions import do_admit_request, do_finish_request, settle_reservation
 from .frames import ChatFrame
 from .tokenizer import chat_prompt_ids, input_too_long_by_count, input_too_long_by_size, model_name
@@ -71,6 +71,13 @@ async def _admit_and_stream(
         yield refusal
         return
     max_tokens = min(frame.max_tokens, feature.max_output_tokens)
+    key = caches.cache_key(feature, user, model_name(), max_tokens, frame.messages) if feature.cache_ttl_s else None
+    if key is not None:
+        hit = await sync_to_async(caches.lookup, thread_sensitive=False)(feature, key)
+        if hit is not None:
+            for event in await serve_cached(request_id, user, feature, len(prompt_ids), max_tokens, hit):
+                yield event
+            return
     group = bus.request_group(request_id)
     channel = await layer.new_channel()
     # Join the group before the worker can publish the first token.
@@ -88,8 +95,11 @@ async def _admit_and_stream(
         yield {"type": "accepted", "request_id": request_id, "prompt_tokens": len(prompt_ids), "max_tokens": decision.max_tokens}
         if decision.warning:
             yield {"type": "notice", "code": "nearing_cap", "message": decision.warning}
-        async for event in _relay(layer, channel, request_id):
+        async for event in _relay(layer, channel, request_id, len(prompt_ids)):
             ended = event["type"] in TERMINAL
+            if key is not None and event["type"] == "done" and event.get("finish_reason") == "stop":
+                # Stored before `done` is yielded: a caller may stop iterating right after it.
+                await sync_to_async(remember_answer, thread_sensitive=False)(feature, key, request_id)
             yield event
     finally:
         try:
@@ -149,8 +159,12 @@ async def _close_if_admitted(admission: asyncio.Future, prompt_tokens: int) -> N
         )
 
 
-async def _relay(layer: BaseChannelLayer, channel: str, request_id: str) -> AsyncIterator[dict]:
-    """The worker's messages as events until done/failed, within the first-token and total timeouts."""
+async def _relay(layer: BaseChannelLayer, channel: str, request_id: str, prompt_tokens: int) -> AsyncIterator[dict]:
+    """The worker's messages as events until done/failed, within the first-token and total timeouts.
+
+    On a timeout the request is settled here as failed (its reservation released): a worker that is
+    down or stalled may never settle it, and one that wakes up later finds it settled and skips it.
+    """
     started = time.monotonic()
     first_token_seen = False
     while True:
@@ -162,7 +176,11 @@ async def _relay(layer: BaseChannelLayer, channel: str, request_id: str) -> Asyn
             message = await asyncio.wait_for(layer.receive(channel), timeout=max(budget, 0.01))
         except TimeoutError:
             await bus.arequest_cancel(request_id)
-            yield _timeout_event(first_token_seen)
+            event = _timeout_event(first_token_seen)
+            await sync_to_async(finish_undispatched, thread_sensitive=False)(
+                request_id, TokenLog.Status.FAILED, prompt_tokens, "", event["message"]
+            )
+            yield event
             return
         if message.get("request_id") != request_id:
             continue
@@ -218,6 +236,36 @@ def log_refusal(request_id, user, feature, code, message, prompt_tokens, max_tok
         message=message,
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
+    )
+
+
+@database_sync_to_async
+def serve_cached(request_id, user, feature, prompt_tokens: int, max_tokens: int, hit: caches.CachedAnswer) -> list[dict]:
+    """A cache hit: logged at cost 0 with what it saved, then the protocol's frames for it."""
+    row = do_log_cache_hit(
+        request_id=request_id, user=user, feature=feature, model=model_name(), prompt_tokens=prompt_tokens,
+        completion_tokens=hit.completion_tokens, max_tokens=max_tokens, kind=hit.kind, saved_micro_usd=hit.cost_micro_usd,
+    )
+    return [
+        {"type": "accepted", "request_id": request_id, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens},
+        {"type": "token", "request_id": request_id, "text": hit.text, "seq": 0},
+        {
+            "type": "done", "request_id": request_id, "usage": row.usage(), "cost_usd": row.cost_usd,
+            "ttft_ms": row.ttft_ms, "total_ms": row.total_ms, "finish_reason": "stop", "cache": hit.kind,
+        },
+    ]
+
+
+def remember_answer(feature, key: caches.CacheKey, request_id: str) -> None:
+    from django.db import close_old_connections
+
+    close_old_connections()
+    row = TokenLog.objects.select_related("transcript").filter(request_id=request_id).first()
+    if row is None or row.status != TokenLog.Status.OK:
+        return
+    caches.store(
+        feature, key, text=row.transcript.response_text, completion_tokens=row.completion_tokens,
+        cost_micro_usd=row.cost_micro_usd, request_id=request_id,
     )
 
 
