@@ -30,6 +30,12 @@ class Provider(models.Model):
     )
     alert_thresholds = models.JSONField(default=default_thresholds, help_text="Percentages of the monthly limit.")
     alert_recipients = models.TextField(blank=True, help_text="Comma-separated email addresses.")
+    # For kind openai-compatible: where the workers stream from (vLLM, TGI, a hosted API, another Ceiling).
+    base_url = models.URLField(blank=True, help_text="e.g. http://vllm.internal:8000/v1")
+    remote_model = models.CharField(max_length=200, blank=True, help_text="the model name the server expects")
+    api_key_env = models.CharField(
+        max_length=100, blank=True, help_text="name of the environment variable holding the server's API key"
+    )
 
     def __str__(self) -> str:
         return self.name
@@ -89,7 +95,13 @@ class Feature(models.Model):
         validators=[RegexValidator(r"^[a-z0-9][a-z0-9_-]*$", "Use lowercase letters, digits, - and _.")],
     )
     description = models.CharField(max_length=200, blank=True)
+    class Mode(models.TextChoices):
+        CHAT = "chat"  # streams tokens (websocket or SSE)
+        EXTRACT = "extract"  # answers once, with a complete JSON object
+        BATCH = "batch"  # many items as a Celery batch job, progress shown to staff
+
     enabled = models.BooleanField(default=True)
+    mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.CHAT)
     max_input_tokens = models.PositiveIntegerField(default=2048, validators=[MinValueValidator(1)])
     max_output_tokens = models.PositiveIntegerField(default=512, validators=[MinValueValidator(1)])
     provider = models.ForeignKey(Provider, null=True, blank=True, on_delete=models.PROTECT, related_name="features")
