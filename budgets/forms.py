@@ -170,7 +170,7 @@ class FeatureForm(forms.ModelForm):
     class Meta:
         model = Feature
         fields = [
-            "name", "description", "enabled", "max_input_tokens", "max_output_tokens", "provider",
+            "name", "description", "enabled", "mode", "max_input_tokens", "max_output_tokens", "provider",
             "cache_ttl_s", "semantic_threshold", "cache_shared",
         ]
         labels = {"cache_ttl_s": "Answer cache TTL (seconds)", "semantic_threshold": "Semantic cache threshold"}
@@ -233,7 +233,8 @@ class ProviderForm(forms.ModelForm):
 
     class Meta:
         model = Provider
-        fields = ["name", "kind"]
+        fields = ["name", "kind", "base_url", "remote_model", "api_key_env"]
+        labels = {"base_url": "Server URL", "api_key_env": "API key environment variable"}
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -255,6 +256,12 @@ class ProviderForm(forms.ModelForm):
     def clean_thresholds(self) -> list[int]:
         return parse_thresholds(self.cleaned_data["thresholds"])
 
+    def clean_api_key_env(self) -> str:
+        name = self.cleaned_data.get("api_key_env", "").strip()
+        if name and not re.fullmatch(r"[A-Z_][A-Z0-9_]*", name):
+            raise ValidationError("The name of an environment variable: capital letters, digits and _ (the key itself never goes here).")
+        return name
+
     def clean_recipients(self) -> str:
         return ", ".join(parse_recipients(self.cleaned_data["recipients"]))
 
@@ -267,6 +274,8 @@ class ProviderForm(forms.ModelForm):
             self.instance.alert_thresholds = cleaned["thresholds"]
         if "recipients" in cleaned:
             self.instance.alert_recipients = cleaned["recipients"]
+        if cleaned.get("kind") == Provider.Kind.OPENAI_COMPATIBLE and not cleaned.get("base_url"):
+            self.add_error("base_url", "An OpenAI-compatible provider needs the URL of its server (…/v1).")
         return cleaned
 
 

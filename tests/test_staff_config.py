@@ -318,8 +318,8 @@ def test_a_users_page_shows_the_default_beside_their_caps(staff_client, alice, c
 
 
 def test_staff_create_a_feature(staff_client, local):
-    data = {"name": "summary", "description": "Summaries", "enabled": "on", "max_input_tokens": "4000",
-            "max_output_tokens": "300", "provider": str(local.pk)}
+    data = {"name": "summary", "description": "Summaries", "enabled": "on", "max_input_tokens": "4000", "mode": "chat",
+            "max_output_tokens": "300", "provider": str(local.pk), "cache_ttl_s": "0"}
 
     response = staff_client.post(reverse("staff-features"), data, follow=True)
 
@@ -339,8 +339,8 @@ def test_an_invalid_feature_name_is_refused(staff_client):
 
 def test_editing_a_feature_audits_each_changed_field(staff_client, chat_feature):
     url = reverse("staff-feature", args=[chat_feature.pk])
-    data = {"name": "chat", "description": chat_feature.description, "max_input_tokens": "1000",
-            "max_output_tokens": str(chat_feature.max_output_tokens), "provider": ""}  # enabled unticked
+    data = {"name": "chat", "description": chat_feature.description, "max_input_tokens": "1000", "mode": "chat",
+            "max_output_tokens": str(chat_feature.max_output_tokens), "provider": "", "cache_ttl_s": "0"}  # enabled unticked
 
     staff_client.post(url, data)
 
@@ -373,7 +373,8 @@ def provider_data(provider: Provider, **changes) -> dict:
 
 def test_staff_create_a_provider(staff_client):
     data = provider_data(Provider(name="remote", kind="openai-compatible"), monthly_limit_usd="300",
-                         thresholds="90, 50", recipients="ops@example.com, cfo@example.com")
+                         thresholds="90, 50", recipients="ops@example.com, cfo@example.com",
+                         base_url="http://vllm.internal:8000/v1", remote_model="llama", api_key_env="VLLM_KEY")
     del data["form"]
     staff_client.post(reverse("staff-providers"), data)
     provider = Provider.objects.get(name="remote")
@@ -571,3 +572,12 @@ def test_a_long_price_history_is_paged_and_filtered_by_model(staff_client, local
     ModelPrice.objects.bulk_create(ModelPrice(provider=local, model=f"x-{n:02d}", effective_from=start) for n in range(20))
     response = staff_client.post(url, price_data(model="nope"))
     assert "and 15 more" in response.content.decode()
+
+
+def test_an_openai_compatible_provider_needs_its_server_url(staff_client):
+    data = provider_data(Provider(name="vllm", kind="openai-compatible"), api_key_env="not a variable name")
+    del data["form"]
+    response = staff_client.post(reverse("staff-providers"), data)
+    html = response.content.decode()
+    assert "needs the URL of its server" in html and "capital letters, digits and _" in html
+    assert not Provider.objects.filter(name="vllm").exists()
