@@ -56,12 +56,17 @@ def do_finish_request(
     finish_reason: str,
     ttft_ms: int | None,
     error: str = "",
+    completion_tokens: int | None = None,
 ) -> TokenLog | None:
     """Settle the ledger row and store the answer; None when it was already settled.
 
-    The guard's counters are settled by the caller after this commits (settle_reservation).
+    completion_tokens defaults to len(completion_ids); a remote engine has no local token ids and
+    passes the count it reported instead. The guard's counters are settled by the caller after this
+    commits (settle_reservation).
     """
-    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=len(completion_ids))
+    if completion_tokens is None:
+        completion_tokens = len(completion_ids)
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
     settled = do_record_usage(
         request_id, status=status, usage=usage, finish_reason=finish_reason, error=error, ttft_ms=ttft_ms
     )

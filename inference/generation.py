@@ -1,7 +1,9 @@
 """Run one admitted request through the engine and stream it to its channel-layer group.
 
 Called by the Celery task with a request id. The ledger is settled here, before the final frame
-is sent, so it never depends on the channel layer (which is at-most-once).
+is sent, so it never depends on the channel layer (which is at-most-once). A request whose
+provider is a remote OpenAI-compatible server streams from it instead (inference/remote.py) and
+ends through the same _finish, with the token counts the remote reported.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import time
 from django.conf import settings
 from django.utils import timezone
 
-from budgets.models import TokenLog
+from budgets.models import Provider, TokenLog
 
-from . import bus
+from . import bus, remote
 from .actions import do_finish_request, settle_reservation
 from .engine import FINISH_CANCELLED, FINISH_ERROR, EngineError, get_engine
 
@@ -50,7 +52,7 @@ def run_generation(request_id: str) -> None:
 
 
 def _generate(request_id: str) -> None:
-    log_row = TokenLog.objects.select_related("transcript").filter(request_id=request_id).first()
+    log_row = TokenLog.objects.select_related("transcript", "provider").filter(request_id=request_id).first()
     if log_row is None:
         log.warning("generate: unknown request %s", request_id)
         return
@@ -59,6 +61,9 @@ def _generate(request_id: str) -> None:
     group = bus.request_group(request_id)
     if bus.is_cancel_requested(request_id):
         _finish(log_row, group, [], "", FINISH_CANCELLED, None)
+        return
+    if log_row.provider is not None and log_row.provider.kind == Provider.Kind.OPENAI_COMPATIBLE:
+        _generate_remote(log_row, group)
         return
     engine = get_engine()
     prompt_ids = log_row.transcript.prompt_ids
@@ -100,6 +105,47 @@ def _stream(engine, handle, log_row: TokenLog, group: str) -> None:
     _finish(log_row, group, handle.tokens, decoder.text(), finish_reason, ttft_ms, error=error)
 
 
+def _generate_remote(log_row: TokenLog, group: str) -> None:
+    """Stream from the provider's server; the remote's own token counts go to the ledger."""
+    try:
+        stream = remote.open_stream(
+            log_row.request_id, log_row.provider, log_row.model, log_row.transcript.messages, log_row.max_tokens
+        )
+    except remote.RemoteConfigError as exc:
+        _finish(log_row, group, [], "", FINISH_ERROR, None, error=str(exc), completion_tokens=0)
+        return
+    try:
+        stream.start(read_timeout_s=settings.CEILING_ENGINE_DEADLINE_S)
+        sender = bus.channel_sender()
+        ttft_ms = None
+        seq = 0
+        finish_reason, error = FINISH_ERROR, ""
+        for event in stream.events(settings.CEILING_ENGINE_FIRST_TOKEN_S, settings.CEILING_ENGINE_DEADLINE_S):
+            if event.text:
+                if ttft_ms is None:
+                    ttft_ms = _ms_since(log_row.created_at)
+                token = {"type": "chat.token", "request_id": log_row.request_id, "text": event.text, "seq": seq}
+                sender.group_send(group, token)
+                seq += 1
+            if event.finished:
+                finish_reason, error = event.finish_reason, event.error or ""
+                break
+    finally:
+        remote.close_stream(stream)
+    # Tokenizers differ: the guard admitted on our count of the prompt; the ledger keeps the remote's.
+    _finish(
+        log_row,
+        group,
+        [],
+        stream.text,
+        finish_reason,
+        ttft_ms,
+        error=error,
+        prompt_tokens=stream.prompt_tokens,
+        completion_tokens=stream.completion_tokens,
+    )
+
+
 def _finish(
     log_row: TokenLog,
     group: str,
@@ -108,7 +154,11 @@ def _finish(
     finish_reason: str,
     ttft_ms: int | None,
     error: str = "",
+    *,
+    prompt_tokens: int | None = None,
+    completion_tokens: int | None = None,
 ) -> None:
+    """Settle the ledger and tell the user. A remote request passes its token counts (no local ids)."""
     status = {
         FINISH_CANCELLED: TokenLog.Status.CANCELLED,
         FINISH_ERROR: TokenLog.Status.FAILED,
@@ -116,8 +166,9 @@ def _finish(
     settled = do_finish_request(
         log_row.request_id,
         status=status,
-        prompt_tokens=log_row.prompt_tokens,
+        prompt_tokens=log_row.prompt_tokens if prompt_tokens is None else prompt_tokens,
         completion_ids=completion_ids,
+        completion_tokens=completion_tokens,
         text=text,
         finish_reason="" if status == TokenLog.Status.FAILED else finish_reason,
         ttft_ms=ttft_ms,

@@ -1,0 +1,257 @@
+"""A feature served by a remote OpenAI-compatible server, the remote being a second Ceiling.
+
+The serving side is the real stack's own /v1/chat/completions (bob's API key); the client side is
+the same stack's worker streaming from it for alice's feature "remote-chat". Both sides keep their
+own ledger row, so one answer shows up twice: alice's on the remote provider, bob's on the local one.
+
+Celery workers share one queue, so any worker may take alice's request and each must have the key
+in its environment. It is set here, at import: pytest imports every test module before the session
+stack starts, and the stack's processes copy os.environ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from django.utils import timezone
+
+from accounts.models import ApiKey, hash_key
+from budgets.guard import counter_store
+from budgets.models import Feature, ModelPrice, Provider, Quota, TokenLog
+from inference.models import Transcript
+from inference.remote import CONNECT_TIMEOUT_S
+from project.stack import free_port
+from tests.conftest import session_cookie, wait_for
+from tests.wsclient import chat, chat_frame, chat_socket, next_frame, send
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MODEL = "SmolLM2-135M-Instruct"
+KEY_ENV = "CEILING_TEST_REMOTE_KEY"
+REMOTE_KEY = "ck_remote-engine-tests-fixed-key-not-a-secret"
+os.environ.setdefault(KEY_ENV, REMOTE_KEY)
+
+
+@pytest.fixture(autouse=True)
+def clean_counters(redis_db):
+    for key in redis_db.scan_iter(match="ceiling:c:*"):
+        redis_db.delete(key)
+
+
+def remote_feature(base_url: str, api_key_env: str = KEY_ENV) -> Feature:
+    provider = Provider.objects.create(
+        name="second-ceiling",
+        kind=Provider.Kind.OPENAI_COMPATIBLE,
+        base_url=base_url,
+        remote_model=MODEL,
+        api_key_env=api_key_env,
+    )
+    # The remote's price: $1 per million prompt tokens and $2 per million completion tokens.
+    ModelPrice.objects.create(
+        provider=provider,
+        model=MODEL,
+        input_per_million_micro_usd=1_000_000,
+        output_per_million_micro_usd=2_000_000,
+        effective_from=timezone.now() - timedelta(days=1),
+    )
+    return Feature.objects.create(name="remote-chat", provider=provider)
+
+
+@pytest.fixture
+def bobs_key(bob) -> ApiKey:
+    """bob's key on the serving Ceiling, with the fixed text every worker has in its environment."""
+    return ApiKey.objects.create(
+        user=bob, name="remote engine", prefix=REMOTE_KEY[:8], hashed_key=hash_key(REMOTE_KEY), created_at=timezone.now()
+    )
+
+
+@pytest.fixture
+def alice_capped(alice) -> Quota:
+    # A cap gives alice a counter in Redis, so the tests can see her reservation released.
+    return Quota.objects.create(user=alice, period="day", max_tokens=1_000_000)
+
+
+def settled(request_id: str) -> TokenLog | None:
+    row = TokenLog.objects.get(request_id=request_id)
+    return row if row.status != TokenLog.Status.RUNNING else None
+
+
+def assert_released(row: TokenLog) -> None:
+    assert row.counter_keys, "the request was reserved against a counter"
+    assert row.counters_settled
+    store = counter_store()
+    for key in row.counter_keys:
+        assert store.state(key).reserved.tokens == 0
+        assert row.request_id not in store.held(key)
+
+
+def test_a_remote_feature_streams_and_both_sides_account_for_it(live_stack, alice, bob, bobs_key, chat_feature):
+    feature = remote_feature(f"{live_stack.http_url}/v1")
+
+    frames = asyncio.run(
+        chat(live_stack, session_cookie(alice), chat_frame("What is the capital of France?", 24, feature="remote-chat"))
+    )
+
+    accepted, *tokens, done = frames
+    assert accepted["type"] == "accepted" and accepted["max_tokens"] == 24
+    assert tokens and all(f["type"] == "token" for f in tokens)
+    assert [f["seq"] for f in tokens] == list(range(len(tokens)))
+    assert done["type"] == "done", done
+
+    mine = TokenLog.objects.get(request_id=accepted["request_id"])
+    assert mine.status == TokenLog.Status.OK and mine.user == alice
+    assert mine.feature == feature and mine.provider == feature.provider
+    assert done["usage"] == {"prompt_tokens": mine.prompt_tokens, "completion_tokens": mine.completion_tokens, "cached_tokens": 0}
+    assert done["finish_reason"] == mine.finish_reason in ("stop", "length")
+    assert done["ttft_ms"] == mine.ttft_ms and 0 < mine.ttft_ms <= mine.total_ms
+    # Costed at the remote provider's price.
+    assert mine.cost_micro_usd == feature.provider.prices.get().cost_micro_usd(mine.prompt_tokens, mine.completion_tokens) > 0
+    assert done["cost_usd"] == mine.cost_usd
+
+    serving = TokenLog.objects.get(user=bob)
+    assert serving.status == TokenLog.Status.OK
+    assert serving.feature == chat_feature and serving.provider == Provider.default()
+    # The counts are the remote's own: the same as its ledger says.
+    assert mine.completion_tokens == serving.completion_tokens > 0
+    assert mine.prompt_tokens == serving.prompt_tokens > 0
+    assert mine.finish_reason == serving.finish_reason
+    assert TokenLog.objects.count() == 2
+
+    transcript = Transcript.objects.get(log=mine)
+    assert "".join(f["text"] for f in tokens) == transcript.response_text == serving.transcript.response_text
+    assert "Paris" in transcript.response_text
+    assert transcript.completion_ids == []  # the remote's token ids are not ours to keep
+
+
+def test_cancelling_a_remote_answer_cancels_it_on_both_sides(live_stack, alice, bob, bobs_key, chat_feature):
+    remote_feature(f"{live_stack.http_url}/v1")
+    cookie = session_cookie(alice)
+
+    async def scenario():
+        async with chat_socket(live_stack, cookie) as ws:
+            await send(ws, chat_frame("Write a very long story about a lighthouse keeper.", 300, feature="remote-chat"))
+            accepted = await next_frame(ws)
+            received = [await next_frame(ws) for _ in range(3)]
+            await send(ws, {"type": "cancel"})
+            return accepted, received, time.time()
+
+    accepted, received, cancelled_at = asyncio.run(scenario())
+    assert accepted["type"] == "accepted"
+    assert [f["type"] for f in received] == ["token"] * 3
+
+    mine = wait_for(lambda: settled(accepted["request_id"]), timeout=10)
+    assert mine.status == TokenLog.Status.CANCELLED and mine.finish_reason == "cancelled"
+    assert mine.finished_at.timestamp() - cancelled_at < 2.0
+    assert 3 <= mine.completion_tokens < 300
+
+    # The worker hung up, so the serving Ceiling stopped generating too.
+    serving = wait_for(lambda: TokenLog.objects.filter(user=bob).exclude(status=TokenLog.Status.RUNNING).first(), timeout=10)
+    assert serving.status == TokenLog.Status.CANCELLED
+    assert serving.finished_at.timestamp() - cancelled_at < 5.0
+    assert 3 <= serving.completion_tokens < 300
+
+
+def test_a_remote_that_refuses_the_key_fails_the_request_with_a_clear_message(live_stack, alice, alice_capped, bob, chat_feature):
+    remote_feature(f"{live_stack.http_url}/v1")  # bob's key does not exist on the remote: 401
+
+    frames = asyncio.run(chat(live_stack, session_cookie(alice), chat_frame("Hello?", 16, feature="remote-chat")))
+
+    accepted, error = frames
+    assert accepted["type"] == "accepted"
+    assert error["type"] == "error" and error["code"] == "engine_failed"
+    assert "the remote provider 'second-ceiling' refused our credentials (HTTP 401" in error["message"]
+    row = TokenLog.objects.get(request_id=accepted["request_id"])
+    assert row.status == TokenLog.Status.FAILED and "HTTP 401" in row.error
+    assert row.completion_tokens == 0
+    assert_released(row)
+    assert TokenLog.objects.count() == 1  # the remote refused before admitting anything
+
+
+def test_an_unreachable_remote_fails_within_the_connect_timeout(live_stack, alice, alice_capped):
+    remote_feature(f"http://127.0.0.1:{free_port()}/v1")  # nothing listens there
+
+    started = time.monotonic()
+    frames = asyncio.run(chat(live_stack, session_cookie(alice), chat_frame("Hello?", 16, feature="remote-chat")))
+    elapsed = time.monotonic() - started
+
+    accepted, error = frames
+    assert error["type"] == "error" and error["code"] == "engine_failed"
+    assert "could not connect to the remote provider 'second-ceiling'" in error["message"]
+    assert elapsed < CONNECT_TIMEOUT_S + 5
+    row = TokenLog.objects.get(request_id=accepted["request_id"])
+    assert row.status == TokenLog.Status.FAILED and "could not connect" in row.error
+    assert_released(row)
+
+
+def test_a_provider_whose_key_is_missing_on_the_worker_says_so(live_stack, alice, alice_capped):
+    remote_feature(f"{live_stack.http_url}/v1", api_key_env="CEILING_TEST_UNSET_REMOTE_KEY")
+
+    frames = asyncio.run(chat(live_stack, session_cookie(alice), chat_frame("Hello?", 16, feature="remote-chat")))
+
+    accepted, error = frames
+    assert error["type"] == "error" and error["code"] == "engine_failed"
+    assert "CEILING_TEST_UNSET_REMOTE_KEY is not set on this worker" in error["message"]
+    row = TokenLog.objects.get(request_id=accepted["request_id"])
+    assert row.status == TokenLog.Status.FAILED
+    assert_released(row)
+
+
+class TerseServer(BaseHTTPRequestHandler):
+    """An OpenAI-compatible server that, like some do, streams no usage chunk and no [DONE]."""
+
+    received: list[tuple[str, dict, dict]] = []
+    PIECES = ["Par", "is", " is", " the", " capital", "."]
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        TerseServer.received.append((self.path, body, dict(self.headers)))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(b": keep-alive\n\n")
+        for piece in self.PIECES:
+            self.wfile.write(b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": piece}}]}).encode() + b"\n\n")
+        finish = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        self.wfile.write(b"data: " + json.dumps(finish).encode() + b"\n\n")
+        self.wfile.flush()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def terse_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), TerseServer)
+    TerseServer.received = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1/"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_remote_that_reports_no_usage_is_counted_by_its_chunks(live_stack, alice, terse_server):
+    remote_feature(terse_server)
+
+    frames = asyncio.run(chat(live_stack, session_cookie(alice), chat_frame("Capital of France?", 40, feature="remote-chat")))
+
+    accepted, *tokens, done = frames
+    assert done["type"] == "done" and done["finish_reason"] == "stop"
+    assert "".join(f["text"] for f in tokens) == "Paris is the capital."
+    row = TokenLog.objects.get(request_id=accepted["request_id"])
+    assert row.completion_tokens == len(TerseServer.PIECES)
+    assert row.prompt_tokens == accepted["prompt_tokens"]  # our estimate stands when the remote says nothing
+    assert done["usage"]["completion_tokens"] == row.completion_tokens
+
+    [(path, body, headers)] = TerseServer.received
+    assert path == "/v1/chat/completions"  # base_url's trailing slash does not double up
+    assert body["model"] == MODEL and body["stream"] is True and body["max_tokens"] == 40
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["messages"] == [{"role": "user", "content": "Capital of France?"}]
+    assert headers["Authorization"] == f"Bearer {REMOTE_KEY}"
