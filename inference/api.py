@@ -4,7 +4,8 @@ Authenticated by per-user API keys (`Authorization: Bearer ck_…`, accounts/mod
 goes through the same session as the websocket (inference/session.py): the same validation, guard,
 ledger rows and cancellation. The session's first event decides the status code, so a refusal is a
 429 (or 400/403/503, see `refusal_status`) even when a stream was asked for; after `accepted` the
-answer is either collected into one chat.completion or streamed as server-sent events.
+answer is either collected into one chat.completion or streamed as server-sent events. An extract
+feature (inference/modes.py) always answers collected: its content is the JSON object, or a 502.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from accounts.actions import do_touch_api_key
 from accounts.models import ApiKey
+from budgets.models import Feature
 
 from .frames import ChatFrame, FrameError, parse_chat
 from .session import INTERNAL_ERROR, run_chat
@@ -90,8 +92,10 @@ def refusal_response(event: dict) -> JsonResponse:
 
 def error_event(event: dict) -> tuple[int, dict]:
     """(status, body) of a session `error` event: a bad request, or the engine or we failed."""
-    if event["code"] == "unknown_feature":
+    if event["code"] in ("unknown_feature", "batch_only"):
         return 400, error_body(event["message"], type="invalid_request_error", code=event["code"], param="feature")
+    if event["code"] == "invalid_json":
+        return 502, error_body(event["message"], type="server_error", code=event["code"])  # the model's answer was bad
     status = 500 if event["code"] == "internal" else 503
     return status, error_body(event["message"], type="server_error", code=event["code"])
 
@@ -209,6 +213,12 @@ def _openai_message(message: Any) -> Any:
     return {"role": role, "content": content}
 
 
+@database_sync_to_async
+def is_extract(feature_name: str) -> bool:
+    """An extract feature answers once, with a whole JSON object, even when a stream was asked for."""
+    return Feature.objects.filter(name=feature_name, mode=Feature.Mode.EXTRACT).exists()
+
+
 # --- views -------------------------------------------------------------------------------------
 
 
@@ -221,13 +231,14 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
         chat = parse_chat_request(read_body(request))
     except FrameError as exc:
         return invalid_request(exc)
+    stream = chat.stream and not await is_extract(chat.frame.feature)
     events = run_chat(request.api_key.user, chat.frame, get_channel_layer())
     first = await anext(events, INTERNAL_ERROR)
     if first["type"] != "accepted":
         await events.aclose()
         return refusal_response(first) if first["type"] == "refused" else error_event_response(first)
     completion = Completion(first["request_id"], chat.model)
-    if chat.stream:
+    if stream:
         response = StreamingHttpResponse(stream_chunks(events, completion), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
         response["X-Accel-Buffering"] = "no"  # proxies must pass each chunk on at once
@@ -291,7 +302,8 @@ async def collect_completion(events: AsyncIterator[dict], completion: Completion
             if event["type"] == "token":
                 parts.append(event["text"])
             elif event["type"] == "done":
-                return JsonResponse(completion.whole("".join(parts), event))
+                text = json.dumps(event["result"]) if "result" in event else "".join(parts)
+                return JsonResponse(completion.whole(text, event))
             elif event["type"] == "error":
                 return error_event_response(event)
     return error_event_response(INTERNAL_ERROR)

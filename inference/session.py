@@ -12,6 +12,10 @@ settled at the tokens actually generated.
 
 Tokens come back from the worker through the channel-layer group "req.<request_id>". Each request
 gets a fresh channel of its own, so it needs no consumer around it.
+
+The feature's mode (inference/modes.py) shapes the events: an `extract` feature asks the model for
+JSON and yields no tokens, only a `done` with the parsed `result` (or an `invalid_json` error); a
+`batch` feature refuses interactive chat with a `batch_only` error.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
@@ -33,7 +38,7 @@ from budgets.actions import do_log_cache_hit, do_log_refusal
 from budgets.guard import Decision, LoopLimits
 from budgets.models import Feature, TokenLog
 
-from . import bus, caches
+from . import bus, caches, modes
 from .actions import do_admit_request, do_finish_request, settle_reservation
 from .frames import ChatFrame
 from .tokenizer import chat_prompt_ids, input_too_long_by_count, input_too_long_by_size, model_name
@@ -66,6 +71,40 @@ async def _admit_and_stream(
     if feature is None:
         yield {"type": "error", "code": "unknown_feature", "message": f"There is no feature named {frame.feature!r}."}
         return
+    if feature.mode == Feature.Mode.BATCH:
+        yield {"type": "error", "code": "batch_only", "message": modes.batch_only_message(feature.name)}
+        return
+    if feature.mode == Feature.Mode.EXTRACT:
+        frame = replace(frame, messages=modes.extract_messages(frame.messages))
+        events = _answer_once(_answer(request_id, user, feature, frame, layer))
+    else:
+        events = _answer(request_id, user, feature, frame, layer)
+    async with aclosing(events):
+        async for event in events:
+            yield event
+
+
+async def _answer_once(events: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """An extract feature's events: tokens collected, not sent; `done` carries the parsed JSON object."""
+    parts: list[str] = []
+    async with aclosing(events):
+        async for event in events:
+            if event["type"] == "token":
+                parts.append(event["text"])
+                continue
+            if event["type"] == "done":
+                try:
+                    event = {**event, "result": modes.extract_json("".join(parts))}
+                except modes.InvalidJSON as exc:
+                    # The request itself succeeded and stays in the ledger with the tokens it used.
+                    used = event["usage"]["completion_tokens"]
+                    event = {"type": "error", "code": "invalid_json", "message": f"{exc} The {used} tokens it used are still counted."}
+            yield event
+
+
+async def _answer(
+    request_id: str, user: AbstractBaseUser, feature: Feature, frame: ChatFrame, layer: BaseChannelLayer
+) -> AsyncIterator[dict]:
     prompt_ids, refusal = await _check_before_guard(request_id, user, feature, frame)
     if refusal is not None:
         yield refusal

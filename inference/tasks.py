@@ -11,7 +11,7 @@ from django.conf import settings
 
 from budgets.reconcile import reconcile_forever
 
-from . import bus
+from . import bus, remote
 from .engine import get_engine, shutdown_engine
 from .generation import run_generation
 
@@ -49,6 +49,18 @@ def refine(user_id: int, feature_id: int, question: str, max_calls: int = 3) -> 
     refine_answer(user, Feature.objects.get(pk=feature_id), question, max_calls=max_calls)
 
 
+@shared_task(name="inference.run_batch", queue="inference", ignore_result=True, acks_late=False)
+def run_batch(job_id: int) -> None:
+    """Every item of a batch job, a few at a time on this worker's engine; progress is saved per item.
+
+    No time limit: a job is as long as its items, and each generation keeps its own deadline.
+    Not retried: the job is claimed once (queued → running), and a rerun would answer items twice.
+    """
+    from .batch import run_batch_job
+
+    run_batch_job(job_id)
+
+
 @worker_init.connect
 def start_engine_with_worker(**_: object) -> None:
     """One engine per worker process, loaded before the worker takes its first task."""
@@ -61,7 +73,7 @@ def start_worker_services() -> None:
     engine = get_engine()
     _stop_services.clear()
     threading.Thread(
-        target=bus.listen_for_cancellations, args=(engine.cancel, _stop_services), name="cancel-listener", daemon=True
+        target=bus.listen_for_cancellations, args=(lambda rid: (engine.cancel(rid), remote.cancel(rid)), _stop_services), name="cancel-listener", daemon=True
     ).start()
     threading.Thread(
         target=bus.publish_stats_forever,
