@@ -83,13 +83,13 @@ def run_item(job: BatchJob, item: BatchItem) -> None:
     if refusal is not None:
         code, message = refusal
         do_log_refusal(
-            request_id=request_id, user=job.user, feature=feature, model=model_name(), code=code, message=message,
+            request_id=request_id, user=job.user, feature=feature, model=model_name(feature), code=code, message=message,
             prompt_tokens=len(prompt_ids), max_tokens=max_tokens,
         )
         _record(item, REFUSED, request_id=request_id, error=message)
         return
     decision = do_admit_request(
-        request_id=request_id, user=job.user, feature=feature, model=model_name(), messages=messages,
+        request_id=request_id, user=job.user, feature=feature, model=model_name(feature), messages=messages,
         prompt_ids=prompt_ids, max_tokens=max_tokens,
     )
     if not decision.admitted:

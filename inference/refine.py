@@ -48,7 +48,7 @@ def refine_answer(user, feature, question: str, *, max_calls: int = 3, max_cost_
 
 def _step(loop, feature, messages: list[dict], max_tokens: int, result: RefineResult) -> str:
     prompt_ids = chat_prompt_ids(messages)
-    decision = loop.admit(feature, model_name(), len(prompt_ids), max_tokens)
+    decision = loop.admit(feature, model_name(feature), len(prompt_ids), max_tokens)
     store_prompt(decision.log, messages, prompt_ids)
     run_generation(decision.request_id)
     text = Transcript.objects.get(log__request_id=decision.request_id).response_text

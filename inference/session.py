@@ -110,7 +110,7 @@ async def _answer(
         yield refusal
         return
     max_tokens = min(frame.max_tokens, feature.max_output_tokens)
-    key = caches.cache_key(feature, user, model_name(), max_tokens, frame.messages) if feature.cache_ttl_s else None
+    key = caches.cache_key(feature, user, model_name(feature), max_tokens, frame.messages) if feature.cache_ttl_s else None
     if key is not None:
         hit = await sync_to_async(caches.lookup, thread_sensitive=False)(feature, key)
         if hit is not None:
@@ -247,7 +247,7 @@ def _timeout_event(first_token_seen: bool) -> dict:
 
 @database_sync_to_async
 def get_feature(name: str) -> Feature | None:
-    return Feature.objects.filter(name=name).first()
+    return Feature.objects.select_related("provider").filter(name=name).first()
 
 
 @database_sync_to_async
@@ -256,7 +256,7 @@ def admit_request(request_id, user, feature, messages, prompt_ids, max_tokens, l
         request_id=request_id,
         user=user,
         feature=feature,
-        model=model_name(),
+        model=model_name(feature),
         messages=messages,
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
@@ -270,7 +270,7 @@ def log_refusal(request_id, user, feature, code, message, prompt_tokens, max_tok
         request_id=request_id,
         user=user,
         feature=feature,
-        model=model_name(),
+        model=model_name(feature),
         code=code,
         message=message,
         prompt_tokens=prompt_tokens,
@@ -282,7 +282,7 @@ def log_refusal(request_id, user, feature, code, message, prompt_tokens, max_tok
 def serve_cached(request_id, user, feature, prompt_tokens: int, max_tokens: int, hit: caches.CachedAnswer) -> list[dict]:
     """A cache hit: logged at cost 0 with what it saved, then the protocol's frames for it."""
     row = do_log_cache_hit(
-        request_id=request_id, user=user, feature=feature, model=model_name(), prompt_tokens=prompt_tokens,
+        request_id=request_id, user=user, feature=feature, model=model_name(feature), prompt_tokens=prompt_tokens,
         completion_tokens=hit.completion_tokens, max_tokens=max_tokens, kind=hit.kind, saved_micro_usd=hit.cost_micro_usd,
     )
     return [

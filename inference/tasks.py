@@ -49,7 +49,9 @@ def refine(user_id: int, feature_id: int, question: str, max_calls: int = 3) -> 
     refine_answer(user, Feature.objects.get(pk=feature_id), question, max_calls=max_calls)
 
 
-@shared_task(name="inference.run_batch", queue="inference", ignore_result=True, acks_late=False)
+# Each item keeps the engine's own deadline; the job as a whole gets a day (enforced by prefork only).
+@shared_task(name="inference.run_batch", queue="inference", ignore_result=True, acks_late=False,
+             soft_time_limit=23 * 3600, time_limit=24 * 3600)
 def run_batch(job_id: int) -> None:
     """Every item of a batch job, a few at a time on this worker's engine; progress is saved per item.
 

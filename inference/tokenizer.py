@@ -19,9 +19,16 @@ def chat_prompt_ids(messages: list[dict]) -> list[int]:
     return encode_chat(get_tokenizer(), messages)
 
 
-def model_name() -> str:
+def model_name(feature=None) -> str:
+    """The model a request goes to, as logged and priced: a remote provider's model, else ours.
+
+    The feature's provider must already be loaded (select_related) when called from async code.
+    """
     from django.conf import settings
 
+    provider = getattr(feature, "provider", None) if feature is not None else None
+    if provider is not None and provider.kind == "openai-compatible" and provider.remote_model:
+        return provider.remote_model
     return settings.CEILING_MODEL_NAME
 
 

@@ -8,7 +8,10 @@ from budgets.models import Feature
 
 @login_required
 def chat(request: HttpRequest) -> HttpResponse:
-    features = list(Feature.objects.filter(enabled=True).order_by("name").values_list("name", flat=True))
+    # Batch features run as jobs staff start; they have no place in an interactive chat.
+    features = list(
+        Feature.objects.filter(enabled=True).exclude(mode=Feature.Mode.BATCH).order_by("name").values_list("name", flat=True)
+    )
     config = {
         "features": features,
         "default_max_tokens": settings.CEILING_DEFAULT_MAX_TOKENS,

@@ -107,6 +107,11 @@
         break;
       case "done":
         stopWaiting();
+        if (frame.result !== undefined && current) {
+          // An extract feature answers once with a JSON object: show it as text, pretty-printed.
+          current.text = JSON.stringify(frame.result, null, 2);
+          current.item.textContent = current.text;
+        }
         history.push({ role: "assistant", content: current ? current.text : "" });
         finishAnswer(
           `${frame.usage.completion_tokens} tokens · first token ${frame.ttft_ms} ms · total ${frame.total_ms} ms · ${frame.finish_reason}`
