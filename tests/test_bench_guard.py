@@ -75,8 +75,17 @@ def test_one_level_alone_is_reported_alone(db, redis_db, tmp_path):
         (["--warmup", "-1"], "--warmup cannot be negative"),
         (["--level", "engine"], "invalid choice: 'engine'"),
         (["--json", "/no/such/folder/bench.json"], "does not exist"),
+        (["--threads", "0"], "--threads must be at least 1, got 0"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(args, message):
     with pytest.raises(CommandError, match=message):
         call_command("bench_guard", *args, stdout=StringIO())
+
+
+def test_cycles_can_run_on_several_threads(tmp_path):
+    out = tmp_path / "bench.json"
+    call_command("bench_guard", "--level", "counters", "--n", "200", "--warmup", "10", "--threads", "4",
+                 "--json", str(out), stdout=StringIO())
+    report = json.loads(out.read_text())
+    assert report["threads"] == 4 and report["levels"]["counters"]["n"] == 200
