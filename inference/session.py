@@ -201,39 +201,89 @@ async def _close_if_admitted(admission: asyncio.Future, prompt_tokens: int) -> N
 async def _relay(layer: BaseChannelLayer, channel: str, request_id: str, prompt_tokens: int) -> AsyncIterator[dict]:
     """The worker's messages as events until done/failed, within the first-token and total timeouts.
 
+    The channel layer is at-most-once (a message can be dropped under load), the ledger is not: when
+    nothing has arrived for LEDGER_CHECK_S, the TokenLog row is read, and a request the worker has
+    already settled ends from the ledger, its missing text taken from the stored transcript.
     On a timeout the request is settled here as failed (its reservation released): a worker that is
     down or stalled may never settle it, and one that wakes up later finds it settled and skips it.
     """
     started = time.monotonic()
     first_token_seen = False
+    streamed: list[str] = []
+    inbox: asyncio.Queue = asyncio.Queue()
+    # One receive loop feeding a queue: waiting with a timeout then cancels queue.get(), never a
+    # channel-layer receive (cancelling one mid-fetch can lose the message it was fetching).
+    receiver = asyncio.ensure_future(_receive_into(layer, channel, inbox))
+    try:
+        while True:
+            limit = settings.CEILING_TOTAL_TIMEOUT_S if first_token_seen else settings.CEILING_FIRST_TOKEN_TIMEOUT_S
+            left = limit - (time.monotonic() - started)
+            if left <= 0:
+                async for event in _time_out(request_id, prompt_tokens, first_token_seen):
+                    yield event
+                return
+            try:
+                message = await asyncio.wait_for(inbox.get(), timeout=min(left, LEDGER_CHECK_S))
+            except TimeoutError:
+                recovered = await recover_from_ledger(request_id, "".join(streamed), len(streamed))
+                if recovered:
+                    for event in recovered:
+                        yield event
+                    return
+                continue
+            if message.get("request_id") != request_id:
+                continue
+            event = dict(message)
+            kind = event.pop("type")
+            if kind == "chat.token":
+                first_token_seen = True
+                streamed.append(event.get("text", ""))
+                yield {"type": "token", **event}
+            elif kind == "chat.done":
+                yield {"type": "done", **event, "cache": "miss"}
+                return
+            elif kind == "chat.failed":
+                yield {"type": "error", **event}
+                return
+    finally:
+        receiver.cancel()
+
+
+LEDGER_CHECK_S = 5.0
+
+
+async def _receive_into(layer: BaseChannelLayer, channel: str, inbox: asyncio.Queue) -> None:
     while True:
-        if first_token_seen:
-            budget = settings.CEILING_TOTAL_TIMEOUT_S - (time.monotonic() - started)
-        else:
-            budget = settings.CEILING_FIRST_TOKEN_TIMEOUT_S
-        try:
-            message = await asyncio.wait_for(layer.receive(channel), timeout=max(budget, 0.01))
-        except TimeoutError:
-            await bus.arequest_cancel(request_id)
-            event = _timeout_event(first_token_seen)
-            await sync_to_async(finish_undispatched, thread_sensitive=False)(
-                request_id, TokenLog.Status.FAILED, prompt_tokens, "", event["message"]
-            )
-            yield event
-            return
-        if message.get("request_id") != request_id:
-            continue
-        event = dict(message)
-        kind = event.pop("type")
-        if kind == "chat.token":
-            first_token_seen = True
-            yield {"type": "token", **event}
-        elif kind == "chat.done":
-            yield {"type": "done", **event, "cache": "miss"}
-            return
-        elif kind == "chat.failed":
-            yield {"type": "error", **event}
-            return
+        inbox.put_nowait(await layer.receive(channel))
+
+
+async def _time_out(request_id: str, prompt_tokens: int, first_token_seen: bool) -> AsyncIterator[dict]:
+    await bus.arequest_cancel(request_id)
+    event = _timeout_event(first_token_seen)
+    await sync_to_async(finish_undispatched, thread_sensitive=False)(
+        request_id, TokenLog.Status.FAILED, prompt_tokens, "", event["message"]
+    )
+    yield event
+
+
+@database_sync_to_async
+def recover_from_ledger(request_id: str, streamed_text: str, next_seq: int) -> list[dict]:
+    """The end of a request the worker settled but whose last frames were lost; [] while it runs."""
+    row = TokenLog.objects.select_related("transcript").filter(request_id=request_id).first()
+    if row is None or row.status == TokenLog.Status.RUNNING:
+        return []
+    if row.status == TokenLog.Status.FAILED:
+        return [{"type": "error", "request_id": request_id, "code": "engine_failed",
+                 "message": f"The model could not finish this answer: {row.error or 'unknown error'}."}]
+    events = []
+    text = row.transcript.response_text if hasattr(row, "transcript") else ""
+    if text.startswith(streamed_text) and len(text) > len(streamed_text):
+        events.append({"type": "token", "request_id": request_id, "text": text[len(streamed_text):], "seq": next_seq})
+    events.append({
+        "type": "done", "request_id": request_id, "usage": row.usage(), "cost_usd": row.cost_usd,
+        "ttft_ms": row.ttft_ms, "total_ms": row.total_ms, "finish_reason": row.finish_reason, "cache": "miss",
+    })
+    return events
 
 
 def _timeout_event(first_token_seen: bool) -> dict:

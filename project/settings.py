@@ -197,9 +197,9 @@ CHANNEL_LAYERS = {
             # blocking BZPOPMIN (itself 5 s) and tears consumers down; allow the read to outlast it.
             "hosts": [{"address": REDIS_URL, "socket_timeout": 30, "socket_connect_timeout": 5}],
             "prefix": envstr("CEILING_CHANNEL_PREFIX", "ceiling"),
-            # A streaming chat sends many small messages; the default capacity of 100 per channel
-            # would drop tokens for a slow reader.
-            "capacity": 1000,
+            # Every request channel of one daphne process shares one Redis list, and a send past
+            # `capacity` is dropped silently: size it for all the tokens in flight in a process.
+            "capacity": 20000,
             "expiry": 60,
         },
     }
