@@ -6,24 +6,16 @@ Screenshots of the finished job (var/screenshots/staff-batches.png) and of the l
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 from django.conf import settings
-from django.db import connections
 
 from budgets.models import Feature, TokenLog
 from inference.models import BatchJob
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
-CHROMIUM = os.environ.get("CEILING_CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
 SCREENSHOTS = Path(settings.BASE_DIR) / "var" / "screenshots"
 
 
@@ -32,28 +24,6 @@ def clean_counters(redis_db):
     for key in redis_db.scan_iter(match="ceiling:c:*"):
         redis_db.delete(key)
 
-
-@pytest.fixture
-def page(tmp_path):
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"Debian's chromium is not installed at {CHROMIUM} (.ci/run installs it)")
-    from playwright.sync_api import sync_playwright
-
-    # Playwright's sync API keeps an event loop in this thread; the ORM calls below are plain
-    # blocking calls made between browser steps, never inside the loop.
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        context = browser.new_context(viewport={"width": 1280, "height": 860})
-        page = context.new_page()
-        messages = []
-        page.on("console", lambda message: messages.append(message.text))
-        yield page
-        page.screenshot(path=str(tmp_path / "last.png"))
-        print("browser console:", messages)
-        context.close()
-        browser.close()
-        connections.close_all()
 
 
 def test_staff_start_a_three_item_job_and_watch_it_reach_3_of_3(live_stack, page, staff):

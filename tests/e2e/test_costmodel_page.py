@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from tests.e2e.test_chat_page import log_in, page  # noqa: F401 - the shared browser fixture
+from tests.e2e.test_chat_page import log_in
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 
-def test_staff_model_a_feature_and_see_the_charts(live_stack, page, staff, chat_feature):  # noqa: F811
+def test_staff_model_a_feature_and_see_the_charts(live_stack, page, staff, chat_feature):
     log_in(page, live_stack, "staff", "staff-password-1", landing="/staff/costmodel/")
     page.locator("#cost-histogram .main-svg").first.wait_for(timeout=20_000)
     page.locator("#cost-vs-prompt .main-svg").first.wait_for(timeout=20_000)

@@ -10,7 +10,7 @@ import pytest
 from django.conf import settings
 
 from tests.conftest import session_cookie
-from tests.e2e.test_chat_page import log_in, page  # noqa: F401 - the shared browser fixture
+from tests.e2e.test_chat_page import log_in
 from tests.wsclient import chat, chat_frame
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -26,7 +26,7 @@ def chat_in_thread(live_stack, cookie: str, frame: dict) -> list[dict]:
 TOKENS_IN_CHART = "document.getElementById('tokens-chart').data.reduce((s, t) => s + t.y.reduce((a, b) => a + (b || 0), 0), 0)"
 
 
-def test_a_chat_completing_adds_a_point_to_the_open_token_chart(live_stack, page, staff, alice, chat_feature):  # noqa: F811
+def test_a_chat_completing_adds_a_point_to_the_open_token_chart(live_stack, page, staff, alice, chat_feature):
     log_in(page, live_stack, "staff", "staff-password-1", landing="/staff/charts/")
     page.wait_for_function("document.getElementById('live-status').textContent === 'live'")
     before = page.evaluate(TOKENS_IN_CHART)
@@ -40,7 +40,7 @@ def test_a_chat_completing_adds_a_point_to_the_open_token_chart(live_stack, page
     page.screenshot(path=str(SCREENSHOTS / "staff-charts.png"), full_page=True)
 
 
-def test_the_overview_shows_spend_engine_and_live_counts(live_stack, page, staff, alice, chat_feature):  # noqa: F811
+def test_the_overview_shows_spend_engine_and_live_counts(live_stack, page, staff, alice, chat_feature):
     log_in(page, live_stack, "staff", "staff-password-1", landing="/staff/")
     page.wait_for_function("!document.querySelector('#engine-panel tbody').textContent.includes('Waiting')")
     assert "kv" not in page.locator("#engine-panel tbody").inner_text().lower()

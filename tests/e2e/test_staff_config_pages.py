@@ -6,8 +6,6 @@ Screenshots of every configuration page are saved under var/screenshots/ for a p
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
@@ -15,7 +13,6 @@ from zoneinfo import ZoneInfo
 
 import pytest
 from django.conf import settings
-from django.db import connections
 from django.utils import timezone
 
 from budgets.models import AuditEntry, ModelPrice, Provider, Quota, TokenLog
@@ -24,11 +21,6 @@ from tests.wsclient import chat, chat_frame
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
-CHROMIUM = os.environ.get("CEILING_CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
 SCREENSHOTS = Path(settings.BASE_DIR) / "var" / "screenshots"
 
 
@@ -39,28 +31,6 @@ def clean_counters(redis_db):
     for key in redis_db.scan_iter(match="ceiling:c:*"):
         redis_db.delete(key)
 
-
-@pytest.fixture
-def page(tmp_path):
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"Debian's chromium is not installed at {CHROMIUM} (.ci/run installs it)")
-    from playwright.sync_api import sync_playwright
-
-    # Playwright's sync API keeps an event loop in this thread; the ORM calls below are plain
-    # blocking calls made between browser steps, never inside the loop.
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        context = browser.new_context(viewport={"width": 1280, "height": 860})
-        page = context.new_page()
-        messages = []
-        page.on("console", lambda message: messages.append(message.text))
-        yield page
-        page.screenshot(path=str(tmp_path / "last.png"))
-        print("browser console:", messages)
-        context.close()
-        browser.close()
-        connections.close_all()
 
 
 def log_in_as_staff(page, live_stack) -> None:

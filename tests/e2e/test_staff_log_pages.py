@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 import io
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,14 +17,10 @@ from django.db import connections
 from django.utils import timezone
 
 from budgets.models import Period, Quota, TokenLog
+from tests.e2e.conftest import CHROMIUM, CHROMIUM_ARGS
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
-CHROMIUM = os.environ.get("CEILING_CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
 SCREENSHOTS = Path(settings.BASE_DIR) / "var" / "screenshots"
 
 
