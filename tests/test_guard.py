@@ -72,9 +72,13 @@ def finish(decision: Decision, completion_tokens: int, status=TokenLog.Status.OK
     return row
 
 
-def test_200_concurrent_admissions_from_threads_and_processes_admit_exactly_50(alice, chat_feature):
+def test_200_concurrent_admissions_from_threads_and_processes_admit_exactly_50(alice, chat_feature, settings):
+    # 48 threads on 2 cores: give Redis round trips 2 s, so every refusal here is the cap's, not the
+    # guard's fail-closed 0.1 s timeout (which has its own test below).
+    settings.CEILING_GUARD_TIMEOUT_S = 2.0
+    counter_store.cache_clear()
     Quota.objects.create(period="day", max_requests=50)
-    env = stack.child_env(DATABASE_URL=_test_database_url(), REDIS_URL=settings.REDIS_URL)
+    env = stack.child_env(DATABASE_URL=_test_database_url(), REDIS_URL=settings.REDIS_URL, CEILING_GUARD_TIMEOUT_S="2")
     args = [str(alice.pk), str(chat_feature.pk), "50", "12", "10", "10"]
     processes = [
         subprocess.Popen([sys.executable, "-m", "tests.guard_load", *args], env=env, stdout=subprocess.PIPE, text=True)
@@ -92,6 +96,7 @@ def test_200_concurrent_admissions_from_threads_and_processes_admit_exactly_50(a
     state, (used, reserved) = counter_and_ledger(alice, chat_feature)
     assert state.reserved == reserved and state.used == used
     assert state.reserved.requests == 50
+    counter_store.cache_clear()  # back to the configured timeout for the next test
 
 
 def test_token_reservations_never_pass_the_cap_and_settle_to_actual_usage(alice, chat_feature):
