@@ -19,6 +19,10 @@ ALERT_EMAIL_FIRST_RETRY_S = 60
     # EMAIL_TIMEOUT bounds each SMTP round trip; these bound the task in pools that enforce them.
     soft_time_limit=50,
     time_limit=60,
+    # Idempotent (the outbox claim sends each alert once), so a worker killed mid-task must not lose
+    # it: ack only when done, and put it back on the queue if the worker dies.
+    acks_late=True,
+    reject_on_worker_lost=True,
 )
 def send_alert_email(self, alert_id: int) -> bool:
     """Email one alert once. A failed send has released its claim, so the retry can take it."""

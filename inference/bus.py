@@ -5,6 +5,8 @@
   cancel arrives before the task has submitted the request.
 - Engine stats: each worker writes its engine's stats under its own key every half second, with a
   TTL, so a dead worker disappears from the list by itself.
+- Ownership: a worker records which process runs a request and how many tokens it has streamed,
+  so a web process that hears nothing can tell a dead worker (its stats key expired) from a slow one.
 - Streaming: the channel layer is asyncio; a worker thread hands messages to one long-lived event
   loop (one connection pool) instead of spinning up a loop and a connection per token.
 """
@@ -31,6 +33,7 @@ CANCEL_CHANNEL = "ceiling:cancel"
 CANCEL_KEY = "ceiling:cancelled:{}"
 STATS_KEY_PREFIX = "ceiling:engine:"
 STATS_TTL_S = 5
+RUNNING_KEY = "ceiling:running:{}"
 
 
 @lru_cache(maxsize=1)
@@ -82,22 +85,80 @@ def listen_for_cancellations(on_cancel: Callable[[str], object], stop: threading
             stop.wait(1.0)
 
 
+# --- which worker runs a request, and how far it got ----------------------------------------------
+
+# Set once this process publishes its stats: only then can others tell whether it is alive.
+_heartbeat = threading.Event()
+
+
+def worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def claim_request(request_id: str, ttl_s: int) -> None:
+    """Record this worker as the request's owner (only a worker with a heartbeat can be checked)."""
+    if not _heartbeat.is_set():
+        return
+    key = RUNNING_KEY.format(request_id)
+    try:
+        with redis_client().pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping={"worker": worker_id(), "tokens": 0})
+            pipe.expire(key, ttl_s)
+            pipe.execute()
+    except redis.RedisError as exc:  # the stream goes on; only dead-worker detection is lost
+        log.warning("could not record the owner of %s: %s", request_id, exc)
+
+
+def record_progress(request_id: str, tokens: int) -> None:
+    """The tokens streamed so far: what the ledger counts if this worker dies before settling."""
+    if not _heartbeat.is_set():
+        return
+    try:
+        redis_client().hset(RUNNING_KEY.format(request_id), "tokens", tokens)
+    except redis.RedisError as exc:
+        log.warning("could not record the progress of %s: %s", request_id, exc)
+
+
+def release_claim(request_id: str) -> None:
+    try:
+        redis_client().delete(RUNNING_KEY.format(request_id))
+    except redis.RedisError:
+        pass  # it expires by itself
+
+
+def lost_request_progress(request_id: str) -> int | None:
+    """Tokens streamed by the request's owner if that worker is dead; None if alive or unknown."""
+    try:
+        claim = redis_client().hgetall(RUNNING_KEY.format(request_id))
+        if not claim or b"worker" not in claim:
+            return None
+        if redis_client().exists(STATS_KEY_PREFIX + claim[b"worker"].decode()):
+            return None
+    except redis.RedisError:
+        return None  # cannot tell; the timeouts still end the request
+    return int(claim.get(b"tokens", 0))
+
+
 # --- engine stats ------------------------------------------------------------------------------
 
 
 def worker_stats_key() -> str:
-    return f"{STATS_KEY_PREFIX}{socket.gethostname()}:{os.getpid()}"
+    return f"{STATS_KEY_PREFIX}{worker_id()}"
 
 
 def publish_stats_forever(read_stats: Callable[[], dict], stop: threading.Event, every_s: float = 0.5) -> None:
+    """Also this worker's heartbeat: the key expires STATS_TTL_S after the process stops."""
     key = worker_stats_key()
-    while not stop.wait(every_s):
+    while True:
         try:
             redis_client().set(key, json.dumps(read_stats()), ex=STATS_TTL_S)
+            _heartbeat.set()
         except redis.RedisError as exc:
             log.warning("could not publish engine stats: %s", exc)
         except Exception:  # noqa: BLE001 - stats must never take the worker down
             log.exception("reading engine stats failed")
+        if stop.wait(every_s):
+            return
 
 
 def read_engine_stats() -> list[dict]:

@@ -62,6 +62,8 @@ def _generate(request_id: str) -> None:
     if bus.is_cancel_requested(request_id):
         _finish(log_row, group, [], "", FINISH_CANCELLED, None)
         return
+    # From here on, a web process that hears nothing can check whether this worker is still alive.
+    bus.claim_request(request_id, settings.CEILING_RESERVATION_TTL_S)
     if log_row.provider is not None and log_row.provider.kind == Provider.Kind.OPENAI_COMPATIBLE:
         _generate_remote(log_row, group)
         return
@@ -90,6 +92,8 @@ def _stream(engine, handle, log_row: TokenLog, group: str) -> None:
                 ttft_ms = _ms_since(log_row.created_at)
             piece = decoder.push(event.new_tokens)
             if piece:
+                # Recorded before it is sent: if this worker dies, the ledger counts every token a user saw.
+                bus.record_progress(log_row.request_id, len(decoder.ids))
                 sender.group_send(group, {"type": "chat.token", "request_id": log_row.request_id, "text": piece, "seq": seq})
                 seq += 1
             if event.finished:
@@ -125,6 +129,7 @@ def _generate_remote(log_row: TokenLog, group: str) -> None:
                 if ttft_ms is None:
                     ttft_ms = _ms_since(log_row.created_at)
                 token = {"type": "chat.token", "request_id": log_row.request_id, "text": event.text, "seq": seq}
+                bus.record_progress(log_row.request_id, seq + 1)  # the remote's own count comes at the end
                 sender.group_send(group, token)
                 seq += 1
             if event.finished:
@@ -174,6 +179,7 @@ def _finish(
         ttft_ms=ttft_ms,
         error=error,
     )
+    bus.release_claim(log_row.request_id)
     if settled is None:
         return
     # Release the reservation before telling the user, so their next request sees the freed room.

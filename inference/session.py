@@ -203,7 +203,9 @@ async def _relay(layer: BaseChannelLayer, channel: str, request_id: str, prompt_
 
     The channel layer is at-most-once (a message can be dropped under load), the ledger is not: when
     nothing has arrived for LEDGER_CHECK_S, the TokenLog row is read, and a request the worker has
-    already settled ends from the ledger, its missing text taken from the stored transcript.
+    already settled ends from the ledger, its missing text taken from the stored transcript. A
+    request whose worker died (its heartbeat expired) is settled here as failed, with the tokens
+    that worker recorded as streamed.
     On a timeout the request is settled here as failed (its reservation released): a worker that is
     down or stalled may never settle it, and one that wakes up later finds it settled and skips it.
     """
@@ -226,6 +228,8 @@ async def _relay(layer: BaseChannelLayer, channel: str, request_id: str, prompt_
                 message = await asyncio.wait_for(inbox.get(), timeout=min(left, LEDGER_CHECK_S))
             except TimeoutError:
                 recovered = await recover_from_ledger(request_id, "".join(streamed), len(streamed))
+                if not recovered:
+                    recovered = await fail_if_worker_lost(request_id, prompt_tokens, "".join(streamed))
                 if recovered:
                     for event in recovered:
                         yield event
@@ -284,6 +288,34 @@ def recover_from_ledger(request_id: str, streamed_text: str, next_seq: int) -> l
         "ttft_ms": row.ttft_ms, "total_ms": row.total_ms, "finish_reason": row.finish_reason, "cache": "miss",
     })
     return events
+
+
+@sync_to_async(thread_sensitive=False)
+def fail_if_worker_lost(request_id: str, prompt_tokens: int, streamed_text: str) -> list[dict]:
+    """[] while the request's worker is alive (or unknown); else settle it failed and say so.
+
+    The ledger records the tokens the dead worker reported as streamed (bus.record_progress), not
+    what this process happened to receive, and the reservation is released at once instead of
+    after CEILING_RESERVATION_TTL_S. A settle that loses the race to the worker changes nothing.
+    """
+    from django.db import close_old_connections
+
+    tokens = bus.lost_request_progress(request_id)
+    if tokens is None:
+        return []
+    close_old_connections()
+    error = f"the worker running it stopped after {tokens} tokens"
+    settled = do_finish_request(
+        request_id, status=TokenLog.Status.FAILED, prompt_tokens=prompt_tokens, completion_ids=[],
+        completion_tokens=tokens, text=streamed_text, finish_reason="", ttft_ms=None, error=error,
+    )
+    bus.release_claim(request_id)
+    if settled is None:
+        return []  # settled meanwhile: the next ledger check ends it
+    settle_reservation(request_id)
+    message = (f"The worker generating this answer stopped unexpectedly after {tokens} tokens "
+               "(those are counted; the rest is not). Please try again.")
+    return [{"type": "error", "request_id": request_id, "code": "worker_lost", "message": message}]
 
 
 def _timeout_event(first_token_seen: bool) -> dict:

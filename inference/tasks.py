@@ -28,8 +28,13 @@ _stop_services = threading.Event()
     # (CEILING_ENGINE_DEADLINE_S) so the thread pool we use is bounded too.
     time_limit=settings.CEILING_TASK_TIME_LIMIT_S,
     soft_time_limit=settings.CEILING_TASK_SOFT_TIME_LIMIT_S,
-    # Not retried: a generation streams to a live user; a rerun would stream the answer twice.
+    # Acked on receipt, never redelivered: a generation is not idempotent once it has streamed. A
+    # rerun after a worker died would charge the prompt again and stream a second, different answer
+    # to a user who has already been told it failed (the web side notices the dead worker, settles
+    # the row failed with the tokens streamed, and releases the reservation). So no acks_late and
+    # no reject_on_worker_lost here; a lost task costs one retry by the user, never a double charge.
     acks_late=False,
+    reject_on_worker_lost=False,
 )
 def generate(request_id: str) -> None:
     run_generation(request_id)

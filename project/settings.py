@@ -199,7 +199,7 @@ CHANNEL_LAYERS = {
             "prefix": envstr("CEILING_CHANNEL_PREFIX", "ceiling"),
             # Every request channel of one daphne process shares one Redis list, and a send past
             # `capacity` is dropped silently: size it for all the tokens in flight in a process.
-            "capacity": 20000,
+            "capacity": envint("CEILING_CHANNEL_CAPACITY", 20000, minimum=1),
             "expiry": 60,
         },
     }
@@ -210,7 +210,10 @@ CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ROUTES = {"inference.tasks.*": {"queue": "inference"}}
 CELERY_TASK_DEFAULT_QUEUE = "default"
+# One task at a time per worker thread: a worker killed mid-stream loses only what it was running,
+# never a backlog it had prefetched. (Which tasks are acked late, and why, is said on each task.)
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_ACKS_LATE = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
@@ -249,6 +252,13 @@ if not (
         "Timeouts must nest: CEILING_ENGINE_FIRST_TOKEN_S < CEILING_FIRST_TOKEN_TIMEOUT_S and CEILING_ENGINE_DEADLINE_S < "
         "CEILING_TASK_SOFT_TIME_LIMIT_S < CEILING_TASK_TIME_LIMIT_S < CEILING_TOTAL_TIMEOUT_S"
     )
+
+# An acks_late task not acknowledged within this long is handed to another worker (Redis broker):
+# it must outlast the longest task, or a slow task would run twice while the first is still going.
+CEILING_BROKER_VISIBILITY_TIMEOUT_S = envint("CEILING_BROKER_VISIBILITY_TIMEOUT_S", 3600, minimum=1)
+if CEILING_BROKER_VISIBILITY_TIMEOUT_S <= CEILING_TASK_TIME_LIMIT_S:
+    raise ImproperlyConfigured("CEILING_BROKER_VISIBILITY_TIMEOUT_S must be above CEILING_TASK_TIME_LIMIT_S")
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CEILING_BROKER_VISIBILITY_TIMEOUT_S}
 
 # --- The budget guard ---------------------------------------------------------------------------
 # Redis round trips of the guard give up after this long: refusing fast beats hanging (fail closed).

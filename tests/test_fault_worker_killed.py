@@ -1,0 +1,93 @@
+"""A Celery worker killed (SIGKILL) mid-stream: the user hears so quickly, the ledger keeps the tokens
+streamed, the reservation is released, the task is not run again, and a new worker takes new work."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from django.conf import settings
+
+from budgets.models import Quota, TokenLog
+from inference.models import Transcript
+from tests.conftest import session_cookie, wait_for
+from tests.faults import PrivateRedis, daily_counter_and_ledger, frames_text, kill, start_private_stack
+from tests.wsclient import chat, chat_frame, chat_socket, next_frame, read_until_end, send
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+LONG_ANSWER = "Write a long story about a lighthouse keeper and a storm, with many details."
+
+
+@pytest.fixture
+def worker_stack(django_db_setup):
+    private_redis = PrivateRedis.start()
+    private = start_private_stack("killed", private_redis)
+    try:
+        yield private
+    finally:
+        private.stop()
+        private_redis.stop()
+
+
+async def chat_until_killed(private, cookie: str, after_tokens: int) -> tuple[list[dict], float]:
+    """Stream an answer, SIGKILL the worker after a few token frames; (frames, seconds to the end)."""
+    async with chat_socket(private.live, cookie) as ws:
+        await send(ws, chat_frame(LONG_ANSWER, 400))
+        frames = [await next_frame(ws)]
+        while sum(f["type"] == "token" for f in frames) < after_tokens:
+            frames.append(await next_frame(ws))
+            assert frames[-1]["type"] == "token", frames[-1]
+        kill(private.workers[0])
+        killed_at = time.monotonic()
+        frames += await read_until_end(ws, timeout=90)
+        return frames, time.monotonic() - killed_at
+
+
+def test_the_celery_settings_never_rerun_a_generation_but_keep_idempotent_tasks(settings_module=settings):
+    from budgets.tasks import send_alert_email
+    from inference.tasks import generate
+    from project.celery import app
+
+    assert app.conf.worker_prefetch_multiplier == 1
+    assert app.conf.broker_transport_options["visibility_timeout"] > settings.CEILING_TASK_TIME_LIMIT_S
+    assert generate.acks_late is False and generate.reject_on_worker_lost is False
+    assert send_alert_email.acks_late is True and send_alert_email.reject_on_worker_lost is True
+
+
+def test_a_worker_killed_mid_stream_fails_the_request_with_the_tokens_streamed(worker_stack, alice, chat_feature):
+    Quota.objects.create(period="day", max_requests=20)
+    cookie = session_cookie(alice)
+    frames, seconds = asyncio.run(chat_until_killed(worker_stack, cookie, after_tokens=3))
+
+    end = frames[-1]
+    assert end["type"] == "error" and end["code"] == "worker_lost", end
+    assert "stopped unexpectedly" in end["message"] and "try again" in end["message"]
+    # Silence check (5 s) + the dead worker's heartbeat expiring (5 s), far from the 60 s timeout.
+    assert seconds < 30, seconds
+    row = TokenLog.objects.get(request_id=frames[0]["request_id"])
+    token_frames = sum(f["type"] == "token" for f in frames)
+    assert row.status == TokenLog.Status.FAILED and "worker" in row.error
+    # Each frame carries at least one token; the worker recorded every token it streamed.
+    assert row.completion_tokens >= token_frames >= 3
+    assert Transcript.objects.get(log=row).response_text == frames_text(frames)
+
+    client = worker_stack.redis.client()
+    state, (used, reserved) = daily_counter_and_ledger(client, alice, chat_feature)
+    assert reserved.requests == 0 and state.reserved.requests == 0  # the reservation was released
+    assert (state.used, state.reserved) == (used, reserved)
+    assert used.tokens == row.prompt_tokens + row.completion_tokens
+
+    # A new worker takes new requests; the killed task is not handed to it (acked on receipt).
+    worker_stack.start_worker()
+    again = asyncio.run(chat(worker_stack.live, cookie, chat_frame("Say hello.", 8)))
+    assert again[-1]["type"] == "done", again
+    time.sleep(1)
+    assert "worker_lost" not in worker_stack.worker_log(1)
+    assert frames[0]["request_id"] not in worker_stack.worker_log(1)
+    row.refresh_from_db()
+    assert row.status == TokenLog.Status.FAILED  # still: nobody ran it again
+    wait_for(lambda: daily_counter_and_ledger(client, alice, chat_feature)[0].reserved.requests == 0, timeout=10)
+    state, (used, reserved) = daily_counter_and_ledger(client, alice, chat_feature)
+    assert (state.used, state.reserved) == (used, reserved) and used.requests == 2
