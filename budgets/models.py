@@ -112,6 +112,14 @@ class Feature(models.Model):
         null=True, blank=True, help_text="cosine similarity for a semantic hit (e.g. 0.95); empty = exact only"
     )
     cache_shared = models.BooleanField(default=False, help_text="reuse answers across users (no personal data)")
+
+    class Quantization(models.TextChoices):
+        NONE = "none", "full precision"
+        INT8 = "int8", "int8 weights"
+
+    # Which weights of the local model serve this feature. Not in the feature form: staff switch it
+    # on the feature page, only after an evaluation passed (inference.actions.do_switch_quantization).
+    quantization = models.CharField(max_length=8, choices=Quantization.choices, default=Quantization.NONE)
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:

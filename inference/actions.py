@@ -5,12 +5,12 @@ from __future__ import annotations
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
-from budgets.actions import Usage, do_record_usage
+from budgets.actions import Usage, do_record_usage, do_save_with_audit, snapshot
 from budgets.alerts import check_provider_thresholds_safely
 from budgets.guard import AdmissionRequest, Decision, LoopLimits, admit, settle
 from budgets.models import Feature, TokenLog
 
-from .models import Transcript
+from .models import QuantizationEvaluation, QuantizationPolicy, Transcript
 
 
 def do_admit_request(
@@ -85,3 +85,77 @@ def settle_reservation(request_id: str) -> bool:
     if settled and row.provider is not None and row.provider.monthly_limit_micro_usd is not None:
         check_provider_thresholds_safely(row.provider_id)  # logs, never raises: settling must not fail
     return settled
+
+
+# --- quantized weights: evaluations and the switch they gate --------------------------------------
+
+
+class SwitchRefused(Exception):
+    """Staff may not switch the feature to these weights; the message says why."""
+
+
+def do_record_evaluation(feature: Feature, mode: str, run, prompt_set_size: int) -> QuantizationEvaluation:
+    """Store one evaluate_quantization run with the verdict under the staff's thresholds of now."""
+    from .evaluate import verdict
+
+    policy = QuantizationPolicy.current()
+    row = QuantizationEvaluation(
+        feature=feature,
+        mode=mode,
+        prompt_set_size=prompt_set_size,
+        checkable=run.scores.checkable,
+        baseline_correct=run.scores.baseline_correct,
+        candidate_correct=run.scores.candidate_correct,
+        agreement=run.scores.agreement,
+        baseline_tokens_per_s=run.baseline_tokens_per_s,
+        candidate_tokens_per_s=run.candidate_tokens_per_s,
+        workload_requests=run.workload_requests,
+        baseline_weights_bytes=run.baseline_weights_bytes,
+        candidate_weights_bytes=run.candidate_weights_bytes,
+        max_accuracy_drop_points=policy.max_accuracy_drop_points,
+        min_throughput_gain_pct=policy.min_throughput_gain_pct,
+        answers=run.answers,
+    )
+    row.passed, row.verdict = verdict(
+        row.baseline_accuracy, row.candidate_accuracy, row.baseline_tokens_per_s, row.candidate_tokens_per_s,
+        policy.max_accuracy_drop_points, policy.min_throughput_gain_pct,
+    )
+    if not row.complete:
+        row.verdict += f" Ran on {row.answered} of {prompt_set_size} prompts: a partial run cannot approve a switch."
+    row.save()
+    return row
+
+
+def switch_refusal(feature: Feature, mode: str) -> str | None:
+    """Why the feature may not be served by `mode` weights now; None when it may.
+
+    Going back to full precision is always allowed. Anything else needs the latest evaluation of
+    that mode on this feature to have passed on the whole prompt set.
+    """
+    if mode == Feature.Quantization.NONE:
+        return None
+    if mode not in Feature.Quantization.values:
+        return f"{mode!r} is not a weight variant this stack serves."
+    latest = QuantizationEvaluation.latest_for(feature, mode)
+    command = f"python manage.py evaluate_quantization --feature {feature.name}"
+    if latest is None:
+        return f"No {mode} evaluation of {feature.name} has been run yet: run `{command}` first."
+    when = f"{latest.created_at:%Y-%m-%d %H:%M}"
+    if not latest.complete:
+        return (
+            f"The latest {mode} evaluation of {feature.name} ({when}) answered only {latest.answered} of "
+            f"{latest.prompt_set_size} prompts; run `{command}` on the whole set."
+        )
+    if not latest.passed:
+        return f"The latest {mode} evaluation of {feature.name} ({when}) failed. {latest.verdict}"
+    return None
+
+
+def do_switch_quantization(actor: AbstractBaseUser | None, feature: Feature, mode: str) -> list:
+    """Serve the feature with `mode` weights from its next request on; audited like other config changes."""
+    refusal = switch_refusal(feature, mode)
+    if refusal:
+        raise SwitchRefused(refusal)
+    before = snapshot(feature, ["quantization"])
+    feature.quantization = mode
+    return do_save_with_audit(actor, feature, ["quantization"], before, target=f"feature {feature.name}")

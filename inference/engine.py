@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .quantization import quantize_model, weights_memory_bytes
+
 log = logging.getLogger(__name__)
 
 FINISH_STOP = "stop"
@@ -48,9 +50,11 @@ class EngineConfig:
     num_blocks: int = 512
     max_batch_tokens: int = 512
     prefix_sharing: bool = True
+    # "none" or "int8" (inference/quantization.py): how the weights are stored once loaded.
+    quantization: str = "none"
 
     @classmethod
-    def from_settings(cls, model_dir: Path) -> EngineConfig:
+    def from_settings(cls, model_dir: Path, quantization: str | None = None) -> EngineConfig:
         from django.conf import settings
 
         return cls(
@@ -61,6 +65,7 @@ class EngineConfig:
             num_blocks=settings.CEILING_KV_BLOCKS,
             max_batch_tokens=settings.CEILING_MAX_BATCH_TOKENS,
             prefix_sharing=settings.CEILING_PREFIX_SHARING,
+            quantization=quantization or settings.CEILING_QUANTIZATION,
         )
 
 
@@ -87,6 +92,8 @@ class EngineStats:
     requests_finished: int
     peak_running: int
     restarts: int
+    quantization: str = "none"
+    weights_bytes: int = 0  # memory of the loaded weights (int8 layers counted at one byte per weight)
     updated_at: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict:
@@ -153,6 +160,7 @@ class Engine:
         self._peak_running = 0
         self._restarts = 0
         self._recent_tokens: deque[tuple[float, int]] = deque()
+        self.weights_bytes = 0
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -168,8 +176,13 @@ class Engine:
         model = AutoModelForCausalLM.from_pretrained(
             str(self.config.model_dir), dtype=dtype, attn_implementation="sdpa"
         )
-        self.model = model.to(self.config.device).eval()
-        progress(f"Model loaded in {time.monotonic() - started:.1f} s")
+        model = model.to(self.config.device).eval()
+        self.model = quantize_model(model, self.config.quantization)
+        self.weights_bytes = weights_memory_bytes(self.model)
+        progress(
+            f"Model loaded in {time.monotonic() - started:.1f} s "
+            f"({self.config.quantization}, weights {self.weights_bytes / 2**20:.0f} MiB)"
+        )
 
     def start(self) -> None:
         if self.model is None:
@@ -354,6 +367,8 @@ class Engine:
             requests_finished=self._requests_finished,
             peak_running=self._peak_running,
             restarts=self._restarts,
+            quantization=self.config.quantization,
+            weights_bytes=self.weights_bytes,
         )
 
     def _tokens_per_s(self, window_s: float = 10.0) -> float:
@@ -405,25 +420,52 @@ def kv_block_usage(manager, configured_blocks: int) -> tuple[int, int]:
     return max(0, round(total * (1.0 - free_share))), total
 
 
-# --- the one engine of this process ---------------------------------------------------------------
+# --- the engines of this process ------------------------------------------------------------------
+#
+# A worker hosts one engine per weight variant its features ask for (Feature.quantization): the
+# CEILING_QUANTIZATION variant is loaded when the worker starts, another (int8 for a feature staff
+# switched to it, or full precision in an int8 worker) the first time a request needs it (a few
+# seconds: load + quantize). Each engine has its own KV cache, allocated at its first request, and
+# they share the process's cores. One worker queue and one command line serve every variant, and a
+# switch on the dashboard takes effect at the next request, with nothing to restart.
 
-_engine: Engine | None = None
-_engine_lock = threading.Lock()
+_engines: dict[str, Engine] = {}
+_engine_lock = threading.Lock()  # guards the two dicts, never held while a model loads
+_variant_locks: dict[str, threading.Lock] = {}
 
 
-def get_engine() -> Engine:
-    """The process's engine, loaded and started on first use (normally at worker start)."""
-    global _engine
+def _default_variant() -> str:
+    from django.conf import settings
+
+    return settings.CEILING_QUANTIZATION
+
+
+def get_engine(quantization: str | None = None) -> Engine:
+    """The process's engine for a weight variant (default: CEILING_QUANTIZATION), started on first use."""
+    variant = quantization or _default_variant()
     with _engine_lock:
-        if _engine is None:
-            from .modelfiles import model_dir
+        engine = _engines.get(variant)
+        if engine is not None:
+            return engine
+        variant_lock = _variant_locks.setdefault(variant, threading.Lock())
+    # Loading one variant must not stall requests to another, hence a lock per variant.
+    with variant_lock:
+        if variant in _engines:
+            return _engines[variant]
+        from .modelfiles import model_dir
+        from .quantization import QuantizationError
 
-            engine = Engine(EngineConfig.from_settings(model_dir(progress=log.info)))
+        engine = Engine(EngineConfig.from_settings(model_dir(progress=log.info), quantization=variant))
+        try:
             engine.load(progress=log.info)
-            engine.start()
-            _engine = engine
-            _stop_engine_at_exit()
-        return _engine
+        except QuantizationError as exc:
+            raise EngineError(f"this worker cannot serve {variant} weights: {exc}") from exc
+        engine.start()
+        with _engine_lock:
+            if not _engines:
+                _stop_engine_at_exit()
+            _engines[variant] = engine
+        return engine
 
 
 def _stop_engine_at_exit() -> None:
@@ -436,12 +478,31 @@ def _stop_engine_at_exit() -> None:
 
 
 def engine_if_started() -> Engine | None:
-    return _engine
+    """The default variant's engine if it runs (else any running one)."""
+    with _engine_lock:
+        return _engines.get(_default_variant()) or next(iter(_engines.values()), None)
+
+
+def cancel_everywhere(request_id: str) -> bool:
+    """Cancel a request in whichever of this process's engines runs it (a broadcast cancel names no variant)."""
+    with _engine_lock:
+        engines = list(_engines.values())
+    return any([engine.cancel(request_id) for engine in engines])
+
+
+def process_stats() -> dict:
+    """What a worker publishes: its default engine's stats, plus the other variants it loaded since."""
+    main = engine_if_started()
+    if main is None:
+        return {}
+    with _engine_lock:
+        others = [engine for engine in _engines.values() if engine is not main]
+    return main.stats().as_dict() | {"variants": [engine.stats().as_dict() for engine in others]}
 
 
 def shutdown_engine() -> None:
-    global _engine
     with _engine_lock:
-        if _engine is not None:
-            _engine.stop()
-            _engine = None
+        engines = list(_engines.values())
+        _engines.clear()
+    for engine in engines:
+        engine.stop()

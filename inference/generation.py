@@ -52,7 +52,7 @@ def run_generation(request_id: str) -> None:
 
 
 def _generate(request_id: str) -> None:
-    log_row = TokenLog.objects.select_related("transcript", "provider").filter(request_id=request_id).first()
+    log_row = TokenLog.objects.select_related("transcript", "provider", "feature").filter(request_id=request_id).first()
     if log_row is None:
         log.warning("generate: unknown request %s", request_id)
         return
@@ -67,9 +67,10 @@ def _generate(request_id: str) -> None:
     if log_row.provider is not None and log_row.provider.kind == Provider.Kind.OPENAI_COMPATIBLE:
         _generate_remote(log_row, group)
         return
-    engine = get_engine()
     prompt_ids = log_row.transcript.prompt_ids
     try:
+        # The feature's weight variant (Feature.quantization); a worker loads a variant at its first request.
+        engine = get_engine(log_row.feature.quantization if log_row.feature else None)
         handle = engine.submit(request_id, prompt_ids, log_row.max_tokens)
     except EngineError as exc:
         _finish(log_row, group, [], "", FINISH_ERROR, None, error=str(exc))

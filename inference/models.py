@@ -1,5 +1,7 @@
 """What was asked and answered, kept apart from the ledger (which holds only numbers)."""
 
+from __future__ import annotations
+
 from django.conf import settings
 from django.db import models
 
@@ -58,3 +60,106 @@ class BatchItem(models.Model):
     class Meta:
         constraints = [models.UniqueConstraint(fields=["job", "index"], name="one_item_per_index")]
         ordering = ["index"]
+
+
+class QuantizationPolicy(models.Model):
+    """What a quantized model must show before staff may switch a feature to it (one row, staff edit it).
+
+    Kept with each evaluation as it was at the time, so an old verdict still reads as it was decided.
+    """
+
+    max_accuracy_drop_points = models.FloatField(
+        default=2.0, help_text="exact-answer accuracy may fall by at most this many percentage points"
+    )
+    min_throughput_gain_pct = models.FloatField(
+        default=20.0, help_text="output tokens/s on the mixed workload must rise by at least this many percent"
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name_plural = "quantization policy"
+
+    def __str__(self) -> str:
+        return f"accuracy −{self.max_accuracy_drop_points} pt at most, throughput +{self.min_throughput_gain_pct}% at least"
+
+    @classmethod
+    def current(cls) -> QuantizationPolicy:
+        policy, _ = cls.objects.get_or_create(pk=1)
+        return policy
+
+
+class QuantizationEvaluation(models.Model):
+    """One run of `evaluate_quantization`: the full-precision and the quantized model on one feature's prompts.
+
+    `answers` keeps every prompt with both answers and their token ids, so accuracy and agreement
+    can be recomputed from what is stored (inference/evaluate.py), not only read from the counts.
+    """
+
+    feature = models.ForeignKey(Feature, on_delete=models.CASCADE, related_name="quantization_evaluations")
+    mode = models.CharField(max_length=8)  # the candidate's quantization, e.g. "int8"
+    baseline_mode = models.CharField(max_length=8, default="none")
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    prompt_set_size = models.PositiveIntegerField()  # prompts in the shipped set; fewer were answered with --limit
+    checkable = models.PositiveIntegerField()  # answered prompts that have accepted answers
+    baseline_correct = models.PositiveIntegerField()
+    candidate_correct = models.PositiveIntegerField()
+    agreement = models.FloatField()  # identical greedy tokens up to the first divergence, 0..1
+    baseline_tokens_per_s = models.FloatField()
+    candidate_tokens_per_s = models.FloatField()
+    workload_requests = models.PositiveIntegerField()
+    baseline_weights_bytes = models.PositiveBigIntegerField()
+    candidate_weights_bytes = models.PositiveBigIntegerField()
+    max_accuracy_drop_points = models.FloatField()
+    min_throughput_gain_pct = models.FloatField()
+    passed = models.BooleanField()
+    verdict = models.TextField()  # sentences: why it passed or failed
+    answers = models.JSONField(default=list)
+
+    class Meta:
+        indexes = [models.Index(fields=["feature", "mode", "-created_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.feature} {self.mode} {'passed' if self.passed else 'failed'} {self.created_at:%Y-%m-%d %H:%M}"
+
+    @classmethod
+    def latest_for(cls, feature: Feature, mode: str) -> QuantizationEvaluation | None:
+        return cls.objects.filter(feature=feature, mode=mode).order_by("-created_at", "-id").first()
+
+    @property
+    def answered(self) -> int:
+        return len(self.answers)
+
+    @property
+    def complete(self) -> bool:
+        """Every prompt of the set was answered (not a --limit run)."""
+        return self.answered >= self.prompt_set_size
+
+    @property
+    def baseline_accuracy(self) -> float:
+        return _percent(self.baseline_correct, self.checkable)
+
+    @property
+    def candidate_accuracy(self) -> float:
+        return _percent(self.candidate_correct, self.checkable)
+
+    @property
+    def accuracy_drop_points(self) -> float:
+        return round(self.baseline_accuracy - self.candidate_accuracy, 2)
+
+    @property
+    def throughput_gain_pct(self) -> float:
+        if not self.baseline_tokens_per_s:
+            return 0.0
+        return round(100.0 * (self.candidate_tokens_per_s / self.baseline_tokens_per_s - 1.0), 1)
+
+    @property
+    def baseline_weights_mib(self) -> float:
+        return round(self.baseline_weights_bytes / 2**20, 1)
+
+    @property
+    def candidate_weights_mib(self) -> float:
+        return round(self.candidate_weights_bytes / 2**20, 1)
+
+
+def _percent(part: int, whole: int) -> float:
+    return round(100.0 * part / whole, 2) if whole else 0.0

@@ -12,7 +12,7 @@ from django.conf import settings
 from budgets.reconcile import reconcile_forever
 
 from . import bus, remote
-from .engine import get_engine, shutdown_engine
+from .engine import cancel_everywhere, get_engine, process_stats, shutdown_engine
 from .generation import run_generation
 
 log = logging.getLogger(__name__)
@@ -80,11 +80,11 @@ def start_worker_services() -> None:
     engine = get_engine()
     _stop_services.clear()
     threading.Thread(
-        target=bus.listen_for_cancellations, args=(lambda rid: (engine.cancel(rid), remote.cancel(rid)), _stop_services), name="cancel-listener", daemon=True
+        target=bus.listen_for_cancellations, args=(lambda rid: (cancel_everywhere(rid), remote.cancel(rid)), _stop_services), name="cancel-listener", daemon=True
     ).start()
     threading.Thread(
         target=bus.publish_stats_forever,
-        args=(lambda: engine.stats().as_dict(), _stop_services),
+        args=(process_stats, _stop_services),  # every weight variant this worker hosts
         name="stats-publisher",
         daemon=True,
     ).start()

@@ -226,6 +226,11 @@ CEILING_KV_PAGE_SIZE = envint("CEILING_KV_PAGE_SIZE", 32, minimum=1)
 CEILING_KV_BLOCKS = envint("CEILING_KV_BLOCKS", 512, minimum=8)
 CEILING_MAX_BATCH_TOKENS = envint("CEILING_MAX_BATCH_TOKENS", 512, minimum=16)
 CEILING_PREFIX_SHARING = envbool("CEILING_PREFIX_SHARING", True)
+# The weight variant a worker loads at start ("none" = full precision, "int8" = int8 linear layers on
+# CPU); a feature switched to the other variant makes the worker load that one too (inference/engine.py).
+CEILING_QUANTIZATION = envstr("CEILING_QUANTIZATION", "none")
+if CEILING_QUANTIZATION not in ("none", "int8"):
+    raise ImproperlyConfigured(f"CEILING_QUANTIZATION={CEILING_QUANTIZATION!r} is not one of none, int8")
 # Start the engine in every Celery worker process that consumes the "inference" queue.
 CEILING_ENGINE_AUTOSTART = envbool("CEILING_ENGINE_AUTOSTART", True)
 

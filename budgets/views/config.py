@@ -259,13 +259,46 @@ def features(request: HttpRequest) -> HttpResponse:
 @staff_required
 def feature_detail(request: HttpRequest, feature_id: int) -> HttpResponse:
     feature = get_object_or_404(Feature.objects.select_related("provider"), pk=feature_id)
+    if request.method == "POST" and request.POST.get("form") == "quantization":
+        return _switch_quantization(request, feature)
     before = snapshot(feature, FEATURE_FIELDS)  # the form writes into the instance while validating
     form = FeatureForm(request.POST if request.method == "POST" else None, instance=feature)
     if form.is_bound and form.is_valid():
         entries = do_save_with_audit(request.user, feature, FEATURE_FIELDS, before, target=f"feature {feature.name}")
         _flash_saved(request, len(entries))
         return redirect("staff-feature", feature.pk)
-    return render(request, "budgets/feature_detail.html", {"feature": feature, "name": before["name"], "form": form})
+    context = {"feature": feature, "name": before["name"], "form": form} | _quantization_context(feature)
+    return render(request, "budgets/feature_detail.html", context)
+
+
+def _quantization_context(feature: Feature) -> dict:
+    """The latest int8 evaluation of the feature, and why a switch to int8 would be refused (or None)."""
+    from inference.actions import switch_refusal
+    from inference.models import QuantizationEvaluation
+
+    mode = Feature.Quantization.INT8
+    return {
+        "evaluation": QuantizationEvaluation.latest_for(feature, mode),
+        "switch_refusal": switch_refusal(feature, mode),
+        "quantized_mode": mode,
+    }
+
+
+def _switch_quantization(request: HttpRequest, feature: Feature) -> HttpResponse:
+    """Serve the feature with other weights; refused with the reason unless its latest evaluation passed."""
+    from inference.actions import SwitchRefused, do_switch_quantization
+
+    mode = request.POST.get("quantization", "")
+    try:
+        entries = do_switch_quantization(request.user, feature, mode)
+    except SwitchRefused as exc:
+        messages.error(request, f"Not switched: {exc}")
+    else:
+        if entries:
+            messages.success(request, f"{feature.name} is now served with {feature.get_quantization_display()}.")
+        else:
+            messages.info(request, f"{feature.name} was already served with {feature.get_quantization_display()}.")
+    return redirect("staff-feature", feature.pk)
 
 
 # --- providers and prices ------------------------------------------------------------------------

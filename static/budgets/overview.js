@@ -40,15 +40,19 @@
       if (!workers.length) {
         const row = body.insertRow();
         const cell = row.insertCell();
-        cell.colSpan = 5;
+        cell.colSpan = 6;
         cell.textContent = "No worker is reporting.";
         return;
       }
+      // A worker reports its default engine, plus one entry per other weight variant it loaded.
       for (const w of workers) {
-        const row = body.insertRow();
-        for (const value of [w.worker, w.running, w.waiting, `${w.kv_blocks_used} / ${w.kv_blocks_total}`, w.tokens_per_s]) {
-          const cell = row.insertCell();
-          cell.textContent = value; // text, never HTML
+        for (const engine of [w, ...(w.variants || [])]) {
+          const row = body.insertRow();
+          const weights = `${engine.quantization || "none"} · ${Math.round((engine.weights_bytes || 0) / 1048576)} MiB`;
+          for (const value of [w.worker, engine.running, engine.waiting, `${engine.kv_blocks_used} / ${engine.kv_blocks_total}`, engine.tokens_per_s, weights]) {
+            const cell = row.insertCell();
+            cell.textContent = value; // text, never HTML
+          }
         }
       }
     },

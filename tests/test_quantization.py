@@ -1,0 +1,188 @@
+"""int8 weights: they serve through the engine, the evaluation's numbers hold together, and staff can
+switch a feature to them only after the latest evaluation passed."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+from django.test import Client
+
+from budgets.models import AuditEntry, Feature
+from inference.actions import do_record_evaluation, do_switch_quantization, switch_refusal
+from inference.engine import Engine, EngineConfig
+from inference.evaluate import compare, is_correct, load_prompts, score
+from inference.modelfiles import model_dir
+from inference.models import QuantizationEvaluation, QuantizationPolicy
+from inference.quantization import INT8, NONE, mode_of, weights_memory_bytes
+from tests.conftest import engine_stats, session_cookie, wait_for
+from tests.wsclient import chat, chat_frame
+
+
+def _engine(quantization: str) -> Engine:
+    engine = Engine(replace(EngineConfig.from_settings(model_dir()), num_blocks=64, quantization=quantization))
+    engine.load(progress=lambda _: None)
+    engine.start()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def full_precision():
+    engine = _engine(NONE)
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def int8():
+    engine = _engine(INT8)
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture
+def staff_client(staff) -> Client:
+    client = Client()
+    client.force_login(staff)
+    return client
+
+
+def test_int8_weights_take_under_half_the_memory_and_answer_in_the_engine(full_precision, int8):
+    assert mode_of(full_precision.model) == NONE and mode_of(int8.model) == INT8
+    assert full_precision.weights_bytes == weights_memory_bytes(full_precision.model)
+    # 135M parameters in fp32 ≈ 538 MB; int8 linear layers + the fp32 embedding ≈ 250 MB.
+    assert int8.weights_bytes < 0.5 * full_precision.weights_bytes
+    answers = compare(full_precision, int8, load_prompts("chat")[:1], workload_requests=1, max_new_tokens=12).answers
+    assert answers[0]["candidate_ids"], "the int8 model produced no tokens in the continuous-batching engine"
+    stats = int8.stats()
+    assert (stats.quantization, stats.weights_bytes) == (INT8, int8.weights_bytes)
+
+
+def test_an_evaluation_on_a_subset_stores_answers_its_numbers_can_be_recomputed_from(full_precision, int8, chat_feature):
+    prompts = load_prompts("chat")
+    assert len(prompts) >= 50 and sum(1 for p in prompts if p.get("accept")) >= 50
+    run = compare(full_precision, int8, prompts[:4], workload_requests=2, max_new_tokens=16)
+    row = do_record_evaluation(chat_feature, INT8, run, prompt_set_size=len(prompts))
+    row.refresh_from_db()
+
+    recomputed = score(row.answers)
+    assert (recomputed.checkable, recomputed.baseline_correct, recomputed.candidate_correct) == (
+        row.checkable, row.baseline_correct, row.candidate_correct)
+    assert recomputed.agreement == row.agreement
+    correct = sum(is_correct(a["candidate"], a["accept"]) for a in row.answers if a["accept"])
+    assert row.candidate_accuracy == round(100 * correct / row.checkable, 2)
+    assert row.candidate_weights_bytes < row.baseline_weights_bytes
+    assert row.baseline_tokens_per_s > 0 and row.candidate_tokens_per_s > 0
+    # 4 of 70 prompts: whatever the scores, a partial run approves nothing.
+    assert not row.complete and not row.passed
+    assert "4 of 70 prompts" in row.verdict
+
+
+def test_agreement_is_total_when_both_sides_are_the_same_model(full_precision, chat_feature):
+    run = compare(full_precision, full_precision, load_prompts("chat")[:3], workload_requests=1, max_new_tokens=16,
+                  concurrency=1)
+    assert run.scores.agreement == 1.0
+    assert run.scores.baseline_correct == run.scores.candidate_correct
+    assert all(a["baseline"] == a["candidate"] for a in run.answers)
+
+
+def test_the_verdict_follows_the_staff_thresholds_of_the_day(chat_feature):
+    policy = QuantizationPolicy.current()
+    policy.max_accuracy_drop_points, policy.min_throughput_gain_pct = 2.0, 20.0
+    policy.save()
+    failed = _evaluation(chat_feature, baseline_correct=50, candidate_correct=47, tokens_per_s=(40.0, 60.0))
+    assert not failed.passed and "drop 6.0 points" in failed.verdict
+    slow = _evaluation(chat_feature, baseline_correct=50, candidate_correct=50, tokens_per_s=(40.0, 44.0))
+    assert not slow.passed and "+10.0%" in slow.verdict
+    good = _evaluation(chat_feature, baseline_correct=50, candidate_correct=49, tokens_per_s=(40.0, 60.0))
+    assert good.passed and good.min_throughput_gain_pct == 20.0
+
+
+# --- the switch on the feature page -----------------------------------------------------------------
+
+
+def test_the_switch_refuses_a_feature_that_was_never_evaluated(staff_client, chat_feature):
+    response = staff_client.post(_page(chat_feature), {"form": "quantization", "quantization": INT8}, follow=True)
+    assert "Not switched: No int8 evaluation of chat has been run yet" in response.content.decode()
+    assert "evaluate_quantization --feature chat" in response.content.decode()
+    chat_feature.refresh_from_db()
+    assert chat_feature.quantization == NONE
+    assert not AuditEntry.objects.filter(field="quantization").exists()
+
+
+def test_the_switch_refuses_when_the_latest_evaluation_failed_even_if_an_older_one_passed(staff_client, chat_feature):
+    _evaluation(chat_feature, baseline_correct=50, candidate_correct=50, tokens_per_s=(40.0, 60.0))
+    _evaluation(chat_feature, baseline_correct=50, candidate_correct=40, tokens_per_s=(40.0, 60.0))
+    response = staff_client.post(_page(chat_feature), {"form": "quantization", "quantization": INT8}, follow=True)
+    page = response.content.decode()
+    assert "Not switched: The latest int8 evaluation of chat" in page and "too much lost" in page
+    chat_feature.refresh_from_db()
+    assert chat_feature.quantization == NONE
+
+
+def test_the_switch_refuses_a_partial_evaluation(chat_feature):
+    _evaluation(chat_feature, baseline_correct=5, candidate_correct=5, tokens_per_s=(40.0, 60.0), answered=5)
+    assert "answered only 5 of 60 prompts" in switch_refusal(chat_feature, INT8)
+
+
+def test_after_a_passing_evaluation_staff_switch_and_the_change_is_audited(staff_client, staff, chat_feature):
+    _evaluation(chat_feature, baseline_correct=50, candidate_correct=50, tokens_per_s=(40.0, 60.0))
+    page = staff_client.get(_page(chat_feature)).content.decode()
+    assert 'id="evaluation-verdict">passed' in page and "60.0" in page
+
+    response = staff_client.post(_page(chat_feature), {"form": "quantization", "quantization": INT8}, follow=True)
+    assert "chat is now served with int8 weights." in response.content.decode()
+    chat_feature.refresh_from_db()
+    assert chat_feature.quantization == INT8
+    entry = AuditEntry.objects.get(field="quantization")
+    assert (entry.actor, entry.target, entry.before, entry.after) == (staff, "feature chat", "none", "int8")
+
+    staff_client.post(_page(chat_feature), {"form": "quantization", "quantization": NONE})
+    chat_feature.refresh_from_db()
+    assert chat_feature.quantization == NONE  # going back never needs an evaluation
+
+
+# --- through the whole stack ---------------------------------------------------------------------------
+
+
+def test_a_feature_switched_to_int8_is_answered_by_the_workers_int8_engine(live_stack, redis_db, alice, staff, chat_feature):
+    _evaluation(chat_feature, baseline_correct=50, candidate_correct=50, tokens_per_s=(40.0, 60.0))
+    do_switch_quantization(staff, chat_feature, INT8)
+    frames = asyncio.run(chat(live_stack, session_cookie(alice), chat_frame("What is the capital of France?", 12)))
+    assert frames[-1]["type"] == "done", frames[-1]
+    assert frames[-1]["usage"]["completion_tokens"] >= 1
+
+    def int8_engine_served_it():
+        variants = [v for worker in engine_stats(redis_db) for v in [worker, *worker.get("variants", [])]]
+        return [v for v in variants if v["quantization"] == INT8 and v["requests_finished"] >= 1]
+
+    served = wait_for(int8_engine_served_it, timeout=10)
+    assert served[0]["weights_bytes"] < 300 * 2**20
+
+
+# --- helpers -----------------------------------------------------------------------------------------
+
+
+def _page(feature: Feature) -> str:
+    return f"/staff/features/{feature.pk}/"
+
+
+def _evaluation(feature: Feature, *, baseline_correct: int, candidate_correct: int, tokens_per_s: tuple[float, float],
+                answered: int = 60) -> QuantizationEvaluation:
+    """A stored evaluation with these outcomes (the verdict is decided by do_record_evaluation, as for a real run)."""
+    from inference.evaluate import Run, Scores
+
+    answers = [{"id": f"p{i}", "prompt": "", "accept": [], "baseline": "", "candidate": "", "baseline_ids": [],
+                "candidate_ids": []} for i in range(answered)]
+    run = Run(
+        answers=answers,
+        scores=Scores(checkable=min(answered, 50), baseline_correct=baseline_correct,
+                      candidate_correct=candidate_correct, agreement=0.9),
+        baseline_tokens_per_s=tokens_per_s[0],
+        candidate_tokens_per_s=tokens_per_s[1],
+        workload_requests=24,
+        baseline_weights_bytes=538_000_000,
+        candidate_weights_bytes=251_000_000,
+    )
+    return do_record_evaluation(feature, INT8, run, prompt_set_size=60)
