@@ -53,6 +53,8 @@ class FeatureAdmin(admin.ModelAdmin):
     list_display = ["name", "enabled", "provider", "max_input_tokens", "max_output_tokens", "created_at"]
     list_filter = ["enabled"]
     search_fields = ["name"]
+    # Switched on the feature's dashboard page only, where a passing evaluation is required.
+    readonly_fields = ["quantization"]
 
 
 @admin.register(TokenLog)
