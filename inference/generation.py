@@ -107,7 +107,7 @@ def _stream(engine, handle, log_row: TokenLog, group: str) -> None:
         error = str(exc)
     if error and finish_reason == FINISH_CANCELLED:
         finish_reason = FINISH_ERROR  # our own deadline cancelled it: that is a failure, not the user's cancel
-    _finish(log_row, group, handle.tokens, decoder.text(), finish_reason, ttft_ms, error=error)
+    _finish(log_row, group, handle.tokens, decoder.text(), finish_reason, ttft_ms, error=error, frames=seq)
 
 
 def _generate_remote(log_row: TokenLog, group: str) -> None:
@@ -149,6 +149,7 @@ def _generate_remote(log_row: TokenLog, group: str) -> None:
         error=error,
         prompt_tokens=stream.prompt_tokens,
         completion_tokens=stream.completion_tokens,
+        frames=seq,
     )
 
 
@@ -163,6 +164,7 @@ def _finish(
     *,
     prompt_tokens: int | None = None,
     completion_tokens: int | None = None,
+    frames: int = 0,
 ) -> None:
     """Settle the ledger and tell the user. A remote request passes its token counts (no local ids)."""
     status = {
@@ -197,6 +199,9 @@ def _finish(
             "ttft_ms": settled.ttft_ms,
             "total_ms": settled.total_ms,
             "finish_reason": settled.finish_reason,
+            # How many token frames were sent: a client that got fewer lost some (the channel layer
+            # is at-most-once) and fetches the stored transcript instead.
+            "frames": frames,
         }
     sender.group_send(group, message)
 

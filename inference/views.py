@@ -1,9 +1,10 @@
 from django.conf import settings
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
+from django.views.decorators.http import require_GET
 
-from budgets.models import Feature
+from budgets.models import Feature, TokenLog
 
 
 @login_required
@@ -18,3 +19,29 @@ def chat(request: HttpRequest) -> HttpResponse:
         "max_tokens_limit": settings.CEILING_MAX_TOKENS_LIMIT,
     }
     return render(request, "inference/chat.html", {"chat_config": config})
+
+
+@login_required
+@require_GET
+def request_transcript(request: HttpRequest, request_id: str) -> JsonResponse:
+    """One of the user's own requests as stored: what a chat client shows after it lost frames.
+
+    The channel layer may drop token frames; the ledger and the transcript never do. Another
+    user's request is a 404, exactly like one that does not exist.
+    """
+    row = _get_request_for_user(request, request_id)
+    transcript = getattr(row, "transcript", None)
+    return JsonResponse({
+        "request_id": row.request_id,
+        "status": row.status,
+        "text": transcript.response_text if transcript is not None else "",
+        "usage": row.usage(),
+        "finish_reason": row.finish_reason,
+    })
+
+
+def _get_request_for_user(request: HttpRequest, request_id: str) -> TokenLog:
+    row = TokenLog.objects.select_related("transcript").filter(request_id=request_id, user=request.user).first()
+    if row is None:
+        raise Http404("No such request")
+    return row

@@ -16,7 +16,7 @@
   let current = null; // {item, text} of the answer being streamed
   let lastRequest = null; // {messages, max_tokens, feature}: what "retry with a shorter answer" resends
   let waiting = null; // {started, firstTokenAt, timer}: the visible "waiting for the model" state
-  const RETRYABLE = new Set(["timeout", "engine_failed", "engine_unavailable", "internal"]);
+  const RETRYABLE = new Set(["timeout", "engine_failed", "engine_unavailable", "internal", "worker_lost"]);
 
   function startWaiting() {
     stopWaiting();
@@ -97,16 +97,26 @@
     switch (frame.type) {
       case "accepted":
         statusLine.textContent = `Thinking… (${frame.prompt_tokens} prompt tokens, up to ${frame.max_tokens} new)`;
-        current = { item: addItem("assistant", ""), text: "" };
+        current = { item: addItem("assistant", ""), text: "", requestId: frame.request_id, nextSeq: 0, frames: 0, gap: false };
         break;
       case "token":
         if (!current) return;
         if (waiting && !waiting.firstTokenAt) waiting.firstTokenAt = performance.now();
+        // The channel layer is at-most-once: a frame that skips a seq means some text never came.
+        if (typeof frame.seq === "number") {
+          if (frame.seq !== current.nextSeq) current.gap = true;
+          current.nextSeq = frame.seq + 1;
+        }
+        current.frames += 1;
         current.text += frame.text;
         current.item.textContent = current.text;
         break;
       case "done":
         stopWaiting();
+        if (current && frame.result === undefined && lostFrames(frame)) {
+          recoverFromTranscript(current, frame);
+          break;
+        }
         if (frame.result !== undefined && current) {
           // An extract feature answers once with a JSON object: show it as text, pretty-printed.
           current.text = JSON.stringify(frame.result, null, 2);
@@ -139,6 +149,33 @@
         break;
       }
     }
+  }
+
+  // `frames` on done is how many token frames the server sent; fewer here (or a seq gap) means lost text.
+  function lostFrames(done) {
+    return current.gap || (typeof done.frames === "number" && current.frames < done.frames);
+  }
+
+  // The stored transcript is the whole answer: fetch it and show it instead of what arrived.
+  async function recoverFromTranscript(answer, done) {
+    current = null;
+    statusLine.textContent = "Some of the answer was lost on the way; fetching it…";
+    try {
+      const response = await fetch(`/chat/requests/${encodeURIComponent(answer.requestId)}/`, {
+        headers: { Accept: "application/json" },
+        credentials: "same-origin",
+      });
+      if (!response.ok) throw new Error(`HTTP ${response.status}`);
+      const stored = await response.json();
+      answer.text = stored.text;
+      answer.item.textContent = answer.text;
+      answer.item.dataset.recovered = "true";
+    } catch (error) {
+      addMeta(answer.item, `(part of this answer was lost: ${error.message})`);
+    }
+    answer.gap = false;
+    current = answer;
+    handle({ ...done, frames: undefined });
   }
 
   function finishAnswer(meta) {
