@@ -39,6 +39,7 @@ PARAMS = {
     "bad_messages": "messages",
     "bad_role": "messages",
     "empty_content": "messages",
+    "bad_text": "messages",
     "bad_max_tokens": "max_tokens",
     "bad_feature": "feature",
     "unknown_feature": "feature",

@@ -58,10 +58,10 @@ def parse_frame(text: str | None) -> ChatFrame | CancelFrame:
 def parse_chat(data: dict) -> ChatFrame:
     """The fields of a chat request (also the body of POST /v1/chat/completions), validated."""
     feature = data.get("feature", "chat")
-    if not isinstance(feature, str) or not feature:
+    if not isinstance(feature, str) or not feature or not storable(feature):
         raise FrameError("bad_feature", "\"feature\" must be the name of a feature, such as \"chat\".")
     loop_id = data.get("loop_id")
-    if loop_id is not None and (not isinstance(loop_id, str) or not 0 < len(loop_id) <= 64):
+    if loop_id is not None and (not isinstance(loop_id, str) or not 0 < len(loop_id) <= 64 or not storable(loop_id)):
         raise FrameError("bad_loop_id", "\"loop_id\" must be a string of 1 to 64 characters.")
     return ChatFrame(
         feature=feature,
@@ -87,10 +87,25 @@ def _parse_messages(messages) -> list[dict]:
             raise FrameError("bad_role", f"Message {index + 1} has role {role!r}; use one of {', '.join(ROLES)}.")
         if not isinstance(content, str) or not content.strip():
             raise FrameError("empty_content", f"Message {index + 1} has no text content.")
+        if not storable(content):
+            raise FrameError(
+                "bad_text", f"Message {index + 1} contains a NUL character or an unpaired surrogate, which is not text."
+            )
         cleaned.append({"role": role, "content": content})
     if cleaned[-1]["role"] != "user":
         raise FrameError("bad_role", "The last message must come from the user.")
     return cleaned
+
+
+def storable(text: str) -> bool:
+    """Text PostgreSQL can hold: no NUL, and no lone surrogate (JSON's "\\ud800" escapes allow both)."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _parse_max_tokens(value) -> int:

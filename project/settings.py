@@ -107,14 +107,30 @@ def check_redis_url(url: str) -> str:
 
 
 DEBUG = envbool("DEBUG", False)
-SECRET_KEY = os.environ.get("SECRET_KEY", "")
-if not SECRET_KEY:
-    if not DEBUG and not envbool("CEILING_INSECURE_DEV_KEY", True):
-        raise ImproperlyConfigured("SECRET_KEY must be set")
-    # Local development and tests only: a fixed key is fine on 127.0.0.1, never in production.
-    SECRET_KEY = "ceiling-dev-key-not-for-production"
 ALLOWED_HOSTS = envlist("ALLOWED_HOSTS", ["127.0.0.1", "localhost"])
 CSRF_TRUSTED_ORIGINS = envlist("CSRF_TRUSTED_ORIGINS", [])
+# Served over HTTPS (directly or behind a TLS proxy): secure cookies, redirects and HSTS below.
+CEILING_HTTPS = envbool("CEILING_HTTPS", False)
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+SECRET_KEY = os.environ.get("SECRET_KEY", "")
+if not SECRET_KEY:
+    # A fixed key is fine for `make run` and the tests on 127.0.0.1, never where anyone else can
+    # reach the site: sessions and password-reset tokens signed with a public key can be forged.
+    if CEILING_HTTPS or not set(ALLOWED_HOSTS) <= LOOPBACK_HOSTS or not envbool("CEILING_INSECURE_DEV_KEY", True):
+        raise ImproperlyConfigured("SECRET_KEY must be set (a long random string) when the site is served beyond 127.0.0.1")
+    SECRET_KEY = "ceiling-dev-key-not-for-production"
+
+if CEILING_HTTPS:
+    SECURE_SSL_REDIRECT = envbool("CEILING_SSL_REDIRECT", True)
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = envint("CEILING_HSTS_SECONDS", 365 * 24 * 3600, minimum=0)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = envbool("CEILING_HSTS_INCLUDE_SUBDOMAINS", True)
+    SECURE_HSTS_PRELOAD = envbool("CEILING_HSTS_PRELOAD", True)
+if envbool("CEILING_TRUST_X_FORWARDED_PROTO", False):
+    # Only behind a proxy that sets this header itself (and strips a client's): else anyone can claim HTTPS.
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 
 VAR_DIR = Path(envstr("CEILING_VAR_DIR", str(BASE_DIR / "var")))
 
@@ -127,6 +143,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
+    "axes",
     "accounts",
     "budgets",
     "inference",
@@ -141,6 +158,9 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "project.csp.ContentSecurityPolicyMiddleware",
+    # Last, as django-axes asks: it turns a locked-out login into a 429 page.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "project.urls"
@@ -164,6 +184,16 @@ TEMPLATES = [
 
 DATABASES = {"default": database_from_url(envstr("DATABASE_URL", f"sqlite:///{VAR_DIR / 'ceiling.sqlite3'}"))}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# Login throttling (django-axes): after CEILING_LOGIN_FAILURE_LIMIT wrong passwords for one username
+# from one IP address, that pair is locked out for CEILING_LOGIN_COOLOFF_MINUTES. Keyed on the pair,
+# not the username alone, so a stranger cannot lock a user out from elsewhere.
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = envint("CEILING_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = envfloat("CEILING_LOGIN_COOLOFF_MINUTES", 15.0, minimum=0.1) / 60  # axes counts in hours
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_VERBOSE = False
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

@@ -1,0 +1,215 @@
+"""The OpenAPI 3.1 description of /v1, served at GET /v1/openapi.json (no key needed: it holds no secrets).
+
+Kept true to inference/api.py: the limits come from the same settings the API enforces, and
+tests/test_api_fuzz.py throws schemathesis at the live API with this document, checking every
+response against it. A rule JSON Schema cannot say (the last message must be the user's; text
+parts must join into non-blank text) is answered with a documented 400.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.http import require_GET
+
+JSON = "application/json"
+
+
+def openapi_document() -> dict:
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Ceiling OpenAI-compatible API",
+            "version": "1",
+            "description": "Chat completions behind Ceiling's budget guard. Refusals are 429 (or 400/403/503) "
+            "with an OpenAI-style error body; every admitted or refused request leaves a ledger row.",
+        },
+        "servers": [{"url": "/"}],
+        "security": [{"apiKey": []}],
+        "paths": {
+            "/v1/chat/completions": {"post": _chat_completions()},
+            "/v1/models": {"get": _models()},
+        },
+        "components": {
+            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer", "description": "a key from /accounts/keys/ (ck_…)"}},
+            "schemas": _schemas(),
+            "responses": _error_responses(),
+        },
+    }
+
+
+def _chat_completions() -> dict:
+    return {
+        "operationId": "createChatCompletion",
+        "requestBody": {"required": True, "content": {JSON: {"schema": {"$ref": "#/components/schemas/ChatRequest"}}}},
+        "responses": {
+            "200": {
+                "description": "the answer, whole (stream false) or as server-sent chat.completion.chunk events",
+                "headers": {"X-Request-Id": {"schema": {"type": "string"}, "description": "the ledger's request id"}},
+                "content": {
+                    JSON: {"schema": {"$ref": "#/components/schemas/ChatCompletion"}},
+                    "text/event-stream": {"schema": {"type": "string"}},
+                },
+            },
+            "400": {"$ref": "#/components/responses/BadRequest"},
+            "401": {"$ref": "#/components/responses/Unauthorized"},
+            "403": {"$ref": "#/components/responses/FeatureDisabled"},
+            "405": {"$ref": "#/components/responses/MethodNotAllowed"},
+            "413": {"$ref": "#/components/responses/TooLarge"},
+            "429": {"$ref": "#/components/responses/Refused"},
+            "502": {"$ref": "#/components/responses/BadModelOutput"},
+            "503": {"$ref": "#/components/responses/Unavailable"},
+        },
+    }
+
+
+def _models() -> dict:
+    return {
+        "operationId": "listModels",
+        "responses": {
+            "200": {"description": "the served model", "content": {JSON: {"schema": {"$ref": "#/components/schemas/ModelList"}}}},
+            "401": {"$ref": "#/components/responses/Unauthorized"},
+            "405": {"$ref": "#/components/responses/MethodNotAllowed"},
+        },
+    }
+
+
+def _schemas() -> dict:
+    token_limit = {"type": "integer", "minimum": 1, "maximum": settings.CEILING_MAX_TOKENS_LIMIT}
+    text_part = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    }
+    return {
+        "ChatRequest": {
+            "type": "object",
+            "required": ["messages"],
+            "properties": {
+                "model": {"type": "string", "minLength": 1, "default": settings.CEILING_MODEL_NAME},
+                "messages": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": settings.CEILING_MAX_MESSAGES,
+                    "items": {"$ref": "#/components/schemas/Message"},
+                    "description": "the last message must have role user (else 400 bad_role)",
+                },
+                "max_tokens": token_limit,
+                "max_completion_tokens": {**token_limit, "description": "the newer name of max_tokens; wins when both are sent"},
+                "stream": {"type": "boolean", "default": False},
+                "feature": {"type": "string", "minLength": 1, "default": "chat", "description": "Ceiling's feature (budget) name"},
+                "loop_id": {"type": "string", "minLength": 1, "maxLength": 64, "description": "counts calls and spend against a loop budget"},
+            },
+            "description": f"The whole body is at most {settings.CEILING_MAX_FRAME_BYTES} bytes (else 413). Other OpenAI "
+            "fields are accepted and ignored.",
+        },
+        "Message": {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {
+                "role": {"enum": ["system", "developer", "user", "assistant"]},
+                "content": {
+                    "oneOf": [
+                        {"type": "string", "pattern": r"\S", "description": "not blank"},
+                        {"type": "array", "minItems": 1, "items": text_part, "description": "joined, must not be blank"},
+                    ]
+                },
+            },
+        },
+        "ChatCompletion": {
+            "type": "object",
+            "required": ["id", "object", "created", "model", "choices", "usage"],
+            "properties": {
+                "id": {"type": "string", "pattern": "^chatcmpl-"},
+                "object": {"const": "chat.completion"},
+                "created": {"type": "integer"},
+                "model": {"type": "string"},
+                "choices": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["index", "message", "finish_reason"],
+                        "properties": {
+                            "index": {"type": "integer"},
+                            "message": {
+                                "type": "object",
+                                "required": ["role", "content"],
+                                "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                            },
+                            "finish_reason": {"type": "string", "description": "stop, length or cancelled"},
+                        },
+                    },
+                },
+                "usage": {"$ref": "#/components/schemas/Usage"},
+            },
+        },
+        "Usage": {
+            "type": "object",
+            "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+            "properties": {
+                "prompt_tokens": {"type": "integer", "minimum": 0},
+                "completion_tokens": {"type": "integer", "minimum": 0},
+                "total_tokens": {"type": "integer", "minimum": 0},
+                "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer", "minimum": 0}}},
+            },
+        },
+        "ModelList": {
+            "type": "object",
+            "required": ["object", "data"],
+            "properties": {
+                "object": {"const": "list"},
+                "data": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["id", "object", "owned_by"],
+                        "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "owned_by": {"type": "string"}},
+                    },
+                },
+            },
+        },
+        "Error": {
+            "type": "object",
+            "required": ["error"],
+            "properties": {
+                "error": {
+                    "type": "object",
+                    "required": ["message", "type", "param", "code"],
+                    "properties": {
+                        "message": {"type": "string", "minLength": 1},
+                        "type": {"type": "string"},
+                        "param": {"type": ["string", "null"]},
+                        "code": {"type": ["string", "null"]},
+                    },
+                }
+            },
+        },
+    }
+
+
+def _error_responses() -> dict:
+    def error(description: str, headers: dict | None = None) -> dict:
+        response = {"description": description, "content": {JSON: {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        if headers:
+            response["headers"] = headers
+        return response
+
+    return {
+        "BadRequest": error("the body is not a valid request, the feature is unknown, or the prompt is over the input limit"),
+        "Unauthorized": error("no API key, or an unknown or revoked one", {"WWW-Authenticate": {"schema": {"type": "string"}}}),
+        "FeatureDisabled": error("the feature is switched off"),
+        "MethodNotAllowed": error("wrong HTTP method"),
+        "TooLarge": error(f"the body is over {settings.CEILING_MAX_FRAME_BYTES} bytes; refused before it is read"),
+        "Refused": error(
+            "refused by the budget guard (a cap or a spend limit)",
+            {"Retry-After": {"schema": {"type": "string"}, "description": "seconds, when waiting helps"}},
+        ),
+        "BadModelOutput": error("an extract feature's model answer was not the JSON object asked for"),
+        "Unavailable": error("the guard or the engine is unavailable; try again"),
+    }
+
+
+@require_GET
+def openapi_json(request: HttpRequest) -> JsonResponse:
+    return JsonResponse(openapi_document())
