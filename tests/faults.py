@@ -66,6 +66,7 @@ class PrivateStack:
     port: int
     daphne: subprocess.Popen
     workers: list[subprocess.Popen] = field(default_factory=list)
+    concurrency: int = WORKER_CONCURRENCY
 
     @property
     def live(self) -> Stack:
@@ -78,7 +79,7 @@ class PrivateStack:
         number = len(self.workers)
         log = (stack_log_dir() / f"{self.name}-worker{number}.log").open("w")
         worker = subprocess.Popen(
-            stack.worker_argv(WORKER_CONCURRENCY, f"{self.name}{number}@%h"), env=self.env, stdout=log, stderr=subprocess.STDOUT
+            stack.worker_argv(self.concurrency, f"{self.name}{number}@%h"), env=self.env, stdout=log, stderr=subprocess.STDOUT
         )
         self.workers.append(worker)
         stack.wait_until(
@@ -96,22 +97,22 @@ class PrivateStack:
         stack.stop_all([self.daphne, *self.workers])
 
 
-def start_private_stack(name: str, private_redis: PrivateRedis, database_url: str | None = None, **env: str) -> PrivateStack:
+def start_private_stack(
+    name: str, private_redis: PrivateRedis, database_url: str | None = None, concurrency: int = WORKER_CONCURRENCY, **env: str
+) -> PrivateStack:
     port = stack.free_port()
     child_env = stack.child_env(
         DATABASE_URL=database_url or _test_database_url(),
         REDIS_URL=private_redis.url,
-        CEILING_FIRST_TOKEN_TIMEOUT_S="60",
-        CEILING_ENGINE_FIRST_TOKEN_S="50",
+        **({"CEILING_FIRST_TOKEN_TIMEOUT_S": "60", "CEILING_ENGINE_FIRST_TOKEN_S": "50"} | env),
         # Patient: on a loaded 2-core machine a 0.1 s Redis wait refuses now and then (fail-closed
         # has its own test); these tests count refusals as the fault's doing.
         CEILING_GUARD_TIMEOUT_S="2",
-        **env,
     )
     child_env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
     log = (stack_log_dir() / f"{name}-daphne.log").open("w")
     daphne = subprocess.Popen(stack.daphne_argv("127.0.0.1", port), env=child_env, stdout=log, stderr=subprocess.STDOUT)
-    private = PrivateStack(name, private_redis, child_env, port, daphne)
+    private = PrivateStack(name, private_redis, child_env, port, daphne, concurrency=concurrency)
     try:
         stack.wait_until(lambda: stack.port_answers("127.0.0.1", port), timeout=60, what="daphne")
         private.start_worker()
