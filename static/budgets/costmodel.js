@@ -17,7 +17,7 @@
     xaxis: { title: { text: "$ per user per month" } }, yaxis: { title: { text: "users" }, type: "log" },
   }, config);
   const points = data.cost_vs_prompt;
-  Plotly.newPlot("cost-vs-prompt", [{ type: "scattergl", mode: "markers", x: points.prompt_tokens, y: points.cost_usd, marker: { size: 3, opacity: 0.5 } }], {
+  Plotly.newPlot("cost-vs-prompt", [{ type: "scatter", mode: "markers", x: points.prompt_tokens, y: points.cost_usd, marker: { size: 3, opacity: 0.5 } }], {
     margin: { t: 20, r: 10, b: 40, l: 60 }, height: 320,
     xaxis: { title: { text: "prompt tokens" } }, yaxis: { title: { text: "$ per request" } },
   }, config);

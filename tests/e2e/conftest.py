@@ -17,6 +17,18 @@ CHROMIUM_ARGS = [
 
 @pytest.fixture
 def page(tmp_path):
+    # Playwright's wait_for_function evaluates its predicate with eval(), which our Content Security
+    # Policy forbids; page tests bypass the policy, and `strict_page` keeps it (tests/e2e/test_hostile_pages.py).
+    yield from _browser_page(tmp_path, bypass_csp=True)
+
+
+@pytest.fixture
+def strict_page(tmp_path):
+    """A page that enforces the site's CSP: wait with locators, never wait_for_function."""
+    yield from _browser_page(tmp_path, bypass_csp=False)
+
+
+def _browser_page(tmp_path, *, bypass_csp: bool):
     if not os.path.exists(CHROMIUM):
         pytest.fail(f"Debian's chromium is not installed at {CHROMIUM} (.ci/run installs it)")
     from playwright.sync_api import sync_playwright
@@ -26,7 +38,7 @@ def page(tmp_path):
     os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        context = browser.new_context(viewport={"width": 1280, "height": 860})
+        context = browser.new_context(viewport={"width": 1280, "height": 860}, bypass_csp=bypass_csp)
         page = context.new_page()
         messages = []
         page.on("console", lambda message: messages.append(message.text))
