@@ -12,6 +12,7 @@ import logging
 import time
 
 from django.conf import settings
+from django.db import DatabaseError, close_old_connections
 from django.utils import timezone
 
 from budgets.models import Provider, TokenLog
@@ -171,7 +172,8 @@ def _finish(
         FINISH_CANCELLED: TokenLog.Status.CANCELLED,
         FINISH_ERROR: TokenLog.Status.FAILED,
     }.get(finish_reason, TokenLog.Status.OK)
-    settled = do_finish_request(
+    settled = _with_database_retry(
+        do_finish_request,
         log_row.request_id,
         status=status,
         prompt_tokens=log_row.prompt_tokens if prompt_tokens is None else prompt_tokens,
@@ -204,6 +206,25 @@ def _finish(
             "frames": frames,
         }
     sender.group_send(group, message)
+
+
+# How long the end of a stream waits for a database that went away: a short outage must not leave
+# the row "running" (and its reservation held) until reconciliation, 10 minutes later.
+DATABASE_RETRY_S = 30.0
+
+
+def _with_database_retry(write, *args, **kwargs):
+    """Run a ledger write; while the database is unreachable, reconnect and try again for a while."""
+    deadline = time.monotonic() + DATABASE_RETRY_S
+    while True:
+        try:
+            return write(*args, **kwargs)
+        except DatabaseError as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("the database is unavailable (%s); retrying the ledger write", exc)
+            close_old_connections()  # drops the broken connection; the next try opens a fresh one
+            time.sleep(1.0)
 
 
 def _ms_since(moment) -> int:

@@ -33,6 +33,7 @@ from channels.db import database_sync_to_async
 from channels.layers import BaseChannelLayer
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
+from django.db import DatabaseError
 
 from budgets.actions import do_log_cache_hit, do_log_refusal
 from budgets.guard import Decision, LoopLimits
@@ -47,6 +48,10 @@ log = logging.getLogger(__name__)
 
 TERMINAL = frozenset({"done", "refused", "error"})
 INTERNAL_ERROR = {"type": "error", "code": "internal", "message": "Something went wrong on our side; please try again."}
+DATABASE_UNAVAILABLE = {
+    "type": "error", "code": "database_unavailable",
+    "message": "The service cannot reach its database right now, so this request was not taken. Please try again in a minute.",
+}
 
 # Admissions whose caller went away while the guard was deciding; kept referenced until they finish.
 _abandoned: set[asyncio.Task] = set()
@@ -59,6 +64,11 @@ async def run_chat(user: AbstractBaseUser, frame: ChatFrame, channel_layer: Base
         async with aclosing(_admit_and_stream(request_id, user, frame, channel_layer)) as events:
             async for event in events:
                 yield event
+    except DatabaseError as exc:
+        # Before admission nothing was written; a row admitted just before the outage is settled
+        # by the worker (it retries its ledger write) or, failing that, by reconciliation.
+        log.warning("chat request %s: database unavailable: %s", request_id, exc)
+        yield dict(DATABASE_UNAVAILABLE)
     except Exception:
         log.exception("chat request %s failed", request_id)
         yield dict(INTERNAL_ERROR)
@@ -227,7 +237,10 @@ async def _relay(layer: BaseChannelLayer, channel: str, request_id: str, prompt_
             try:
                 message = await asyncio.wait_for(inbox.get(), timeout=min(left, LEDGER_CHECK_S))
             except TimeoutError:
-                recovered = await recover_from_ledger(request_id, "".join(streamed), len(streamed))
+                try:
+                    recovered = await recover_from_ledger(request_id, "".join(streamed), len(streamed))
+                except DatabaseError:
+                    continue  # the database is away for a moment: keep waiting, the timeouts still hold
                 if not recovered:
                     recovered = await fail_if_worker_lost(request_id, prompt_tokens, "".join(streamed))
                 if recovered:
