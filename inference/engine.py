@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from . import attention
 from .quantization import quantize_model, weights_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ class EngineConfig:
     num_blocks: int = 512
     max_batch_tokens: int = 512
     prefix_sharing: bool = True
+    # "varlen": our per-request attention for CPU steps (inference/attention.py); "sdpa": transformers'
+    # packed attention, which costs B × (all tokens of the batch) per step.
+    attention: str = "varlen"
     # "none" or "int8" (inference/quantization.py): how the weights are stored once loaded.
     quantization: str = "none"
 
@@ -65,6 +69,7 @@ class EngineConfig:
             num_blocks=settings.CEILING_KV_BLOCKS,
             max_batch_tokens=settings.CEILING_MAX_BATCH_TOKENS,
             prefix_sharing=settings.CEILING_PREFIX_SHARING,
+            attention=settings.CEILING_ATTENTION,
             quantization=quantization or settings.CEILING_QUANTIZATION,
         )
 
@@ -179,6 +184,8 @@ class Engine:
         model = model.to(self.config.device).eval()
         self.model = quantize_model(model, self.config.quantization)
         self.weights_bytes = weights_memory_bytes(self.model)
+        if self.config.attention == "varlen" and not self.config.device.startswith("cuda"):
+            attention.enable(self.model)
         progress(
             f"Model loaded in {time.monotonic() - started:.1f} s "
             f"({self.config.quantization}, weights {self.weights_bytes / 2**20:.0f} MiB)"

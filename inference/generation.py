@@ -72,7 +72,7 @@ def _generate(request_id: str) -> None:
     try:
         # The feature's weight variant (Feature.quantization); a worker loads a variant at its first request.
         engine = get_engine(log_row.feature.quantization if log_row.feature else None)
-        handle = engine.submit(request_id, prompt_ids, log_row.max_tokens)
+        handle = engine.submit(request_id, prompt_ids, log_row.max_tokens, ignore_eos=settings.CEILING_IGNORE_EOS)
     except EngineError as exc:
         _finish(log_row, group, [], "", FINISH_ERROR, None, error=str(exc))
         return

@@ -256,6 +256,12 @@ CEILING_KV_PAGE_SIZE = envint("CEILING_KV_PAGE_SIZE", 32, minimum=1)
 CEILING_KV_BLOCKS = envint("CEILING_KV_BLOCKS", 512, minimum=8)
 CEILING_MAX_BATCH_TOKENS = envint("CEILING_MAX_BATCH_TOKENS", 512, minimum=16)
 CEILING_PREFIX_SHARING = envbool("CEILING_PREFIX_SHARING", True)
+# "varlen" (per-request attention, inference/attention.py) or "sdpa" (transformers' own); CPU only.
+CEILING_ATTENTION = envstr("CEILING_ATTENTION", "varlen")
+if CEILING_ATTENTION not in ("varlen", "sdpa"):
+    raise ImproperlyConfigured(f"CEILING_ATTENTION must be varlen or sdpa, not {CEILING_ATTENTION!r}")
+# Benchmarks only: generate exactly max_tokens, ignoring end-of-sequence (manage.py bench's stack mode).
+CEILING_IGNORE_EOS = envbool("CEILING_IGNORE_EOS", False)
 # The weight variant a worker loads at start ("none" = full precision, "int8" = int8 linear layers on
 # CPU); a feature switched to the other variant makes the worker load that one too (inference/engine.py).
 CEILING_QUANTIZATION = envstr("CEILING_QUANTIZATION", "none")

@@ -63,9 +63,16 @@ def redis_db():
     client.close()
 
 
+def stack_log_dir() -> Path:
+    """var/test-logs/<test database>: two suites on one machine never share a log file."""
+    folder = LOG_DIR / Path(settings.DATABASES["default"]["NAME"]).name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def start_stack(redis_client: redis.Redis, name: str, worker_name: str) -> tuple[Stack, list[subprocess.Popen]]:
     """A daphne and a Celery worker on the test database, started as `make run` starts them."""
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    log_dir = stack_log_dir()
     port = stack.free_port()
     env = stack.child_env(
         DATABASE_URL=_test_database_url(),
@@ -76,7 +83,7 @@ def start_stack(redis_client: redis.Redis, name: str, worker_name: str) -> tuple
         CEILING_METRICS_TOKEN="test-metrics-token",
     )
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
-    daphne_log, worker_log = LOG_DIR / f"{name}-daphne.log", LOG_DIR / f"{name}-worker.log"
+    daphne_log, worker_log = log_dir / f"{name}-daphne.log", log_dir / f"{name}-worker.log"
     workers_before = len(engine_stats(redis_client))
     processes = [
         subprocess.Popen(stack.worker_argv(WORKER_CONCURRENCY, worker_name), env=env, stdout=worker_log.open("w"), stderr=subprocess.STDOUT),

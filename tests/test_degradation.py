@@ -15,7 +15,7 @@ from openai import APIStatusError, OpenAI
 from accounts.actions import do_create_api_key
 from budgets.models import Quota, TokenLog
 from project import stack
-from tests.conftest import LOG_DIR, Stack, _test_database_url, session_cookie
+from tests.conftest import Stack, _test_database_url, session_cookie, stack_log_dir
 from tests.wsclient import chat, chat_frame
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -36,7 +36,7 @@ def stack_without_workers(django_db_setup):
         CEILING_FIRST_TOKEN_TIMEOUT_S="3", CEILING_ENGINE_FIRST_TOKEN_S="2",
     )
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
-    log_path = LOG_DIR / "no-workers-daphne.log"
+    log_path = stack_log_dir() / "no-workers-daphne.log"
     process = subprocess.Popen(stack.daphne_argv("127.0.0.1", port), env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
     try:
         stack.wait_until(lambda: stack.port_answers("127.0.0.1", port), timeout=60, what="daphne")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
-from inference.benchmarks import prefix_sharing
+from inference.bench.prefix import prefix_sharing
 from inference.modelfiles import model_dir
 
 

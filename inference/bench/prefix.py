@@ -6,7 +6,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from .engine import Engine, EngineConfig
+from ..engine import Engine, EngineConfig
 
 # A long, realistic system prompt shared by every request of a feature: what prefix sharing is for.
 SHARED_SYSTEM_PROMPT = (

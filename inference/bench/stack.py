@@ -1,0 +1,192 @@
+"""The bench's `stack` mode: the workload through every real process a user's chat goes through.
+
+websocket clients → daphne → session + guard → Celery worker → engine → channel layer → websocket.
+The bench starts its own daphne and worker (the command lines `make run` uses) on the configured
+database and Redis, as a user "bench" without caps on a feature "bench" without answer caches, so the
+guard does all its work but never refuses. The worker runs with CEILING_IGNORE_EOS so every answer
+has exactly the workload's length, as in the other modes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+from django.conf import settings
+
+from project import stack
+
+from .measure import BenchError, ModeResult, RequestTiming, process_peak_rss_mb, summarise, timing_rows
+from .modes import batch_figures
+from .workload import MAX_OUTPUT_TOKENS, BenchRequest
+
+BENCH_USER = "bench"
+BENCH_FEATURE = "bench"
+
+
+def run_stack(requests: list[BenchRequest], *, threads: int, engine_env: dict[str, str], log_dir: Path,
+              progress=print) -> ModeResult:
+    cookie = prepare_bench_user()
+    with bench_stack(len(requests), threads, engine_env, log_dir, progress) as (port, processes, worker):
+        url = f"ws://127.0.0.1:{port}/ws/chat/"
+        origin = f"http://127.0.0.1:{port}"
+        warm_up = RequestTiming(-1, time.perf_counter())
+        asyncio.run(_one_chat(url, origin, cookie, replace(requests[0], output_tokens=2), warm_up))
+        if warm_up.error:
+            raise BenchError(f"the stack's warm-up chat failed: {warm_up.error}")
+        sampler = WorkerSampler(worker)
+        sampler.start()
+        timings = asyncio.run(replay_over_websockets(url, origin, cookie, requests))
+        sampler.stop()
+        # daphne + the worker: everything this mode needs beyond the clients.
+        peak_rss = sum(process_peak_rss_mb(p.pid) for p in processes)
+    return ModeResult(summarise(timings, peak_rss), extra=sampler.figures(), timings=timing_rows(timings))
+
+
+def prepare_bench_user() -> str:
+    """The bench user (no caps) and feature (no caches); returns a session cookie for the user."""
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    from budgets.models import Feature, Period, Quota
+
+    user, created = get_user_model().objects.get_or_create(username=BENCH_USER)
+    if created:
+        user.set_unusable_password()
+        user.save()
+    for period in (Period.DAY, Period.MONTH):
+        # A user's own quota row replaces the defaults; one with no limits set means no user caps.
+        Quota.objects.update_or_create(
+            user=user, feature=None, period=period,
+            defaults={"max_requests": None, "max_tokens": None, "max_cost_micro_usd": None},
+        )
+    Feature.objects.update_or_create(
+        name=BENCH_FEATURE,
+        defaults={
+            "description": "manage.py bench (fixed-length answers)",
+            "enabled": True,
+            "mode": Feature.Mode.CHAT,
+            "max_input_tokens": 4096,
+            "max_output_tokens": MAX_OUTPUT_TOKENS,
+            "cache_ttl_s": 0,
+        },
+    )
+    client = Client()
+    client.force_login(user)
+    return client.cookies[settings.SESSION_COOKIE_NAME].value
+
+
+def database_url() -> str:
+    db = settings.DATABASES["default"]
+    if db["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{db['NAME']}"
+    auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
+    return f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+@contextmanager
+def bench_stack(concurrency: int, threads: int, engine_env: dict[str, str], log_dir: Path, progress):
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = stack.free_port()
+    env = stack.child_env(
+        DATABASE_URL=database_url(),
+        REDIS_URL=settings.REDIS_URL,
+        CEILING_IGNORE_EOS="1",
+        CEILING_TORCH_THREADS=str(threads),
+        **engine_env,
+    )
+    env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+    workers_before = _live_workers()
+    found: set[str] = set()
+    # Every chat holds one worker thread while it streams: enough threads for the whole workload.
+    processes = [
+        subprocess.Popen(stack.worker_argv(max(16, concurrency), "bench@%h"), env=env,
+                         stdout=(log_dir / "bench-worker.log").open("w"), stderr=subprocess.STDOUT),
+        subprocess.Popen(stack.daphne_argv("127.0.0.1", port), env=env,
+                         stdout=(log_dir / "bench-daphne.log").open("w"), stderr=subprocess.STDOUT),
+    ]
+    try:
+        progress(f"stack: daphne on 127.0.0.1:{port}, worker starting (logs in {log_dir})…")
+        stack.wait_until(lambda: stack.port_answers("127.0.0.1", port), timeout=60, what="daphne")
+        stack.wait_until(lambda: found.update(_live_workers() - workers_before) or found, timeout=180,
+                         what="the bench worker's engine")
+        yield port, processes, sorted(found)[0]
+    finally:
+        stack.stop_all(processes)
+
+
+def _live_workers() -> set[str]:
+    from ..bus import read_engine_stats
+
+    return {stats["worker"] for stats in read_engine_stats() if stats.get("running") is not None}
+
+
+class WorkerSampler(threading.Thread):
+    """Reads the bench worker's published engine stats (every 0.5 s) while the workload runs."""
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(daemon=True)
+        self.worker = worker
+        self.running: list[int] = []
+        self.kv_blocks: list[int] = []
+        self.kv_blocks_total = 0
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        from ..bus import read_engine_stats
+
+        while not self._stopped.wait(0.25):
+            for stats in read_engine_stats():
+                if stats["worker"] == self.worker and stats.get("running"):
+                    self.running.append(stats["running"])
+                    self.kv_blocks.append(stats["kv_blocks_used"])
+                    self.kv_blocks_total = stats["kv_blocks_total"]
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.join()
+
+    def figures(self) -> dict:
+        return batch_figures(self.running, self.kv_blocks, self.kv_blocks_total)
+
+
+async def replay_over_websockets(url: str, origin: str, cookie: str, requests: list[BenchRequest]) -> list[RequestTiming]:
+    start = time.perf_counter()
+    timings = [RequestTiming(r.index, arrival=start + r.arrival_s) for r in requests]
+
+    async def at_arrival(request: BenchRequest, timing: RequestTiming) -> None:
+        await asyncio.sleep(max(0.0, timing.arrival - time.perf_counter()))
+        await _one_chat(url, origin, cookie, request, timing)
+
+    await asyncio.gather(*(at_arrival(r, t) for r, t in zip(requests, timings, strict=True)))
+    return timings
+
+
+async def _one_chat(url: str, origin: str, cookie: str, request: BenchRequest, timing: RequestTiming) -> None:
+    from websockets.asyncio.client import connect
+
+    frame = {"type": "chat", "feature": BENCH_FEATURE, "messages": request.messages, "max_tokens": request.output_tokens}
+    try:
+        async with connect(url, origin=origin, additional_headers={"Cookie": f"sessionid={cookie}"},
+                           open_timeout=30, max_size=4 * 1024 * 1024) as ws:
+            await ws.send(json.dumps(frame))
+            while True:
+                message = json.loads(await asyncio.wait_for(ws.recv(), timeout=600))
+                now = time.perf_counter()
+                if message["type"] == "token" and timing.first_token is None:
+                    timing.first_token = now
+                elif message["type"] == "done":
+                    timing.finished = now
+                    timing.output_tokens = message["usage"]["completion_tokens"]
+                    return
+                elif message["type"] in ("error", "refused"):
+                    timing.error = f"{message['type']} {message.get('code')}: {message.get('message')}"
+                    return
+    except (OSError, TimeoutError) as exc:
+        timing.error = f"{type(exc).__name__}: {exc}"

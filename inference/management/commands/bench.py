@@ -1,0 +1,145 @@
+"""`manage.py bench`: one workload through sequential, static, engine, stack and prefix modes, side by side."""
+
+from __future__ import annotations
+
+import json as jsonlib
+from pathlib import Path
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from inference.bench import report
+from inference.bench.measure import BenchError, machine_facts, measured_flops, roofline_tokens_per_s
+from inference.bench.modes import run_in_child
+from inference.bench.workload import WorkloadSpec, describe, mixed_workload
+from inference.modelfiles import model_dir
+
+ALL_MODES = ("sequential", "static", "engine", "stack", "prefix")
+QUICK_REQUESTS = 24
+
+
+class Command(BaseCommand):
+    help = "Replay one fixed workload through several serving modes and report them side by side (vLLM's metrics)."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("--requests", type=int, default=64)
+        parser.add_argument("--quick", action="store_true", help=f"a short run: {QUICK_REQUESTS} requests")
+        parser.add_argument("--rate", type=float, help="Poisson arrivals at this many requests/s (default: all at once)")
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--shared-fraction", type=float, default=0.25, help="share of requests with the long system prompt")
+        parser.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma-separated, of {', '.join(ALL_MODES)}")
+        parser.add_argument("--threads", type=int, default=settings.CEILING_TORCH_THREADS)
+        parser.add_argument("--attention", choices=("varlen", "sdpa"), default=settings.CEILING_ATTENTION)
+        parser.add_argument("--max-batch-tokens", type=int, default=settings.CEILING_MAX_BATCH_TOKENS)
+        parser.add_argument("--json", type=Path, help="write the result (the agreed JSON shape) here")
+        parser.add_argument("--html", type=Path, default=None, help="HTML report (default var/bench/report.html)")
+        parser.add_argument("--mode-timeout", type=float, default=1800, help="seconds one mode may take")
+
+    def handle(self, *args, **options) -> None:
+        modes = self._modes(options["modes"])
+        spec = self._spec(options)
+        html_path = options["html"] or Path(settings.VAR_DIR) / "bench" / "report.html"
+        for path in (options["json"], html_path):
+            if path is not None and not path.parent.exists():
+                if path == html_path and options["html"] is None:
+                    path.parent.mkdir(parents=True)
+                else:
+                    raise CommandError(f"{path.parent} does not exist")
+        try:
+            result, details = self._run(spec, modes, options)
+        except BenchError as exc:
+            raise CommandError(str(exc)) from exc
+        self.stdout.write(report.table(result, details["extras"]))
+        if options["json"] is not None:
+            options["json"].write_text(jsonlib.dumps(result, indent=2))
+            self.stdout.write(f"JSON: {options['json']}")
+        report.write_html(html_path, result, details)
+        html_path.with_suffix(".details.json").write_text(jsonlib.dumps(details, indent=1))
+        self.stdout.write(f"HTML report: {html_path} (per-request timings beside it, .details.json)")
+
+    def _modes(self, raw: str) -> list[str]:
+        modes = [m.strip() for m in raw.split(",") if m.strip()]
+        unknown = sorted(set(modes) - set(ALL_MODES))
+        if unknown or not modes:
+            raise CommandError(f"unknown mode(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(ALL_MODES)}")
+        return [m for m in ALL_MODES if m in modes]
+
+    def _spec(self, options) -> WorkloadSpec:
+        requests = QUICK_REQUESTS if options["quick"] else options["requests"]
+        if requests < 1:
+            raise CommandError("--requests must be at least 1")
+        if options["rate"] is not None and options["rate"] <= 0:
+            raise CommandError("--rate must be above 0 requests/s")
+        if not 0 <= options["shared_fraction"] <= 1:
+            raise CommandError("--shared-fraction must be between 0 and 1")
+        return WorkloadSpec(requests=requests, seed=options["seed"], shared_fraction=options["shared_fraction"],
+                            rate=options["rate"])
+
+    def _run(self, spec: WorkloadSpec, modes: list[str], options) -> tuple[dict, dict]:
+        from transformers import AutoTokenizer
+
+        from inference.engine import encode_chat
+
+        folder = model_dir(progress=self.stdout.write)
+        requests = mixed_workload(spec)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        workload = describe(spec, requests, [len(encode_chat(tokenizer, r.messages)) for r in requests])
+        threads = options["threads"]
+        machine = machine_facts(threads)
+        flops = measured_flops(threads)
+        machine["matmul_gflops"] = round(flops / 1e9, 1)
+        machine["parameters"] = parameter_count(folder)
+        machine["attention"] = options["attention"]
+        machine["max_batch_tokens"] = options["max_batch_tokens"]
+        self.stdout.write(
+            f"workload: {spec.requests} requests, {workload['output_tokens_total']} output tokens "
+            f"({workload['arrivals']}); machine: {machine['matmul_gflops']} GFLOP/s on {threads} threads"
+        )
+        engine_options = {"attention": options["attention"], "max_batch_tokens": options["max_batch_tokens"]}
+        results, prefix = {}, None
+        for mode in modes:
+            self.stdout.write(f"running {mode}…")
+            if mode == "stack":
+                results[mode] = self._stack(requests, threads, engine_options)
+            elif mode == "prefix":
+                prefix = run_in_child(mode, folder, requests, {"threads": threads}, options["mode_timeout"])
+            else:
+                results[mode] = run_in_child(
+                    mode, folder, requests, {"threads": threads, "engine_options": engine_options}, options["mode_timeout"]
+                )
+            if mode in results:
+                figures = results[mode]["summary"]
+                self.stdout.write(f"  {figures['output_tokens_per_s']:g} output tokens/s, TTFT p50 {figures['ttft_p50_ms']:g} ms")
+        result = report.result_json(workload, machine, results, prefix, roofline_tokens_per_s(flops, machine["parameters"]))
+        details = {
+            "extras": {name: r["extra"] for name, r in results.items() if r["extra"]},
+            "timings": {name: r["timings"] for name, r in results.items()},
+            "prefix": prefix,
+        }
+        return result, details
+
+    def _stack(self, requests, threads: int, engine_options: dict) -> dict:
+        from dataclasses import asdict
+
+        from inference.bench.stack import run_stack
+
+        env = {"CEILING_ATTENTION": engine_options["attention"], "CEILING_MAX_BATCH_TOKENS": str(engine_options["max_batch_tokens"])}
+        result = run_stack(requests, threads=threads, engine_env=env, log_dir=Path(settings.VAR_DIR) / "bench",
+                           progress=self.stdout.write)
+        return asdict(result)
+
+
+def parameter_count(folder: Path) -> int:
+    """Parameters stored in the model's safetensors files (tied embeddings count once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as weights:
+            for name in weights.keys():
+                shape = weights.get_slice(name).get_shape()
+                count = 1
+                for dim in shape:
+                    count *= dim
+                total += count
+    return total
