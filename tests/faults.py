@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -54,6 +55,7 @@ class PrivateRedis:
 
     def stop(self) -> None:
         stack.stop_all([self.process])
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 @dataclass
