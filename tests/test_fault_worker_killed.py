@@ -45,7 +45,7 @@ async def chat_until_killed(private, cookie: str, after_tokens: int) -> tuple[li
         return frames, time.monotonic() - killed_at
 
 
-def test_the_celery_settings_never_rerun_a_generation_but_keep_idempotent_tasks(settings_module=settings):
+def test_the_celery_settings_never_rerun_a_generation_but_keep_idempotent_tasks():
     from budgets.tasks import send_alert_email
     from inference.tasks import generate
     from project.celery import app
