@@ -408,7 +408,7 @@ def dispatch_generation(request_id: str) -> None:
     from .tasks import generate
 
     try:
-        generate.apply_async(args=[request_id], queue="inference", retry=False)
+        generate.apply_async(args=[request_id], queue=settings.CEILING_INFERENCE_QUEUE, retry=False)
     except Exception as exc:
         # Never leave an admitted request holding its reservation because the broker was away.
         fail_undispatched(request_id, str(exc))

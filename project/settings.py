@@ -260,6 +260,8 @@ CEILING_PREFIX_SHARING = envbool("CEILING_PREFIX_SHARING", True)
 CEILING_ATTENTION = envstr("CEILING_ATTENTION", "varlen")
 if CEILING_ATTENTION not in ("varlen", "sdpa"):
     raise ImproperlyConfigured(f"CEILING_ATTENTION must be varlen or sdpa, not {CEILING_ATTENTION!r}")
+# The Celery queue chats are sent to and workers serve (a private one isolates a benchmark's worker).
+CEILING_INFERENCE_QUEUE = envstr("CEILING_INFERENCE_QUEUE", "inference")
 # Benchmarks only: generate exactly max_tokens, ignoring end-of-sequence (manage.py bench's stack mode).
 CEILING_IGNORE_EOS = envbool("CEILING_IGNORE_EOS", False)
 # The weight variant a worker loads at start ("none" = full precision, "int8" = int8 linear layers on

@@ -37,7 +37,7 @@ def daphne_argv(host: str, port: int) -> list[str]:
     ]
 
 
-def worker_argv(concurrency: int, hostname: str = "inference@%h") -> list[str]:
+def worker_argv(concurrency: int, hostname: str = "inference@%h", queues: str = "inference,default") -> list[str]:
     # pool=threads: the engine lives in this one process and every task thread shares it. Each
     # running chat holds one thread while it streams, so concurrency bounds the chats in flight.
     return [
@@ -53,7 +53,7 @@ def worker_argv(concurrency: int, hostname: str = "inference@%h") -> list[str]:
         str(concurrency),
         "--queues",
         # "inference" holds the engine's work; "default" the small jobs (alert emails).
-        "inference,default",
+        queues,
         "--hostname",
         hostname,
         "--loglevel",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import threading
 import time
@@ -94,7 +95,10 @@ def database_url() -> str:
 def bench_stack(concurrency: int, threads: int, engine_env: dict[str, str], log_dir: Path, progress):
     log_dir.mkdir(parents=True, exist_ok=True)
     port = stack.free_port()
+    # A queue of its own: another worker on the same Redis must not take (or slow) the bench's chats.
+    queue = f"bench-{os.getpid()}"
     env = stack.child_env(
+        CEILING_INFERENCE_QUEUE=queue,
         DATABASE_URL=database_url(),
         REDIS_URL=settings.REDIS_URL,
         CEILING_IGNORE_EOS="1",
@@ -106,7 +110,7 @@ def bench_stack(concurrency: int, threads: int, engine_env: dict[str, str], log_
     found: set[str] = set()
     # Every chat holds one worker thread while it streams: enough threads for the whole workload.
     processes = [
-        subprocess.Popen(stack.worker_argv(max(16, concurrency), "bench@%h"), env=env,
+        subprocess.Popen(stack.worker_argv(max(16, concurrency), "bench@%h", queues=queue), env=env,
                          stdout=(log_dir / "bench-worker.log").open("w"), stderr=subprocess.STDOUT),
         subprocess.Popen(stack.daphne_argv("127.0.0.1", port), env=env,
                          stdout=(log_dir / "bench-daphne.log").open("w"), stderr=subprocess.STDOUT),

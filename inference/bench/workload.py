@@ -35,6 +35,7 @@ class WorkloadSpec:
     seed: int = 0
     shared_fraction: float = 0.25
     rate: float | None = None  # requests per second (Poisson); None = all at once
+    max_output_tokens: int = MAX_OUTPUT_TOKENS  # lower only for smoke runs (the suite's)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -44,10 +45,10 @@ def load_prompts() -> list[str]:
     return json.loads(PROMPTS_FILE.read_text())["prompts"]
 
 
-def long_tailed_length(rng: random.Random) -> int:
+def long_tailed_length(rng: random.Random, cap: int = MAX_OUTPUT_TOKENS) -> int:
     """Log-normal with a median of ~40 tokens: most answers short, a few run to the 256 cap."""
     value = math.exp(rng.gauss(math.log(40), 0.9))
-    return max(MIN_OUTPUT_TOKENS, min(MAX_OUTPUT_TOKENS, round(value)))
+    return max(min(MIN_OUTPUT_TOKENS, cap), min(cap, round(value)))
 
 
 def mixed_workload(spec: WorkloadSpec) -> list[BenchRequest]:
@@ -65,7 +66,7 @@ def mixed_workload(spec: WorkloadSpec) -> list[BenchRequest]:
             BenchRequest(
                 index=index,
                 messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
-                output_tokens=long_tailed_length(rng),
+                output_tokens=long_tailed_length(rng, spec.max_output_tokens),
                 shared_prefix=shared,
                 arrival_s=round(arrival, 4) if spec.rate else 0.0,
             )

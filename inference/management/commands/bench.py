@@ -27,6 +27,7 @@ class Command(BaseCommand):
         parser.add_argument("--rate", type=float, help="Poisson arrivals at this many requests/s (default: all at once)")
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--shared-fraction", type=float, default=0.25, help="share of requests with the long system prompt")
+        parser.add_argument("--max-output-tokens", type=int, default=256, help="cap on output lengths (smoke runs only)")
         parser.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma-separated, of {', '.join(ALL_MODES)}")
         parser.add_argument("--threads", type=int, default=settings.CEILING_TORCH_THREADS)
         parser.add_argument("--attention", choices=("varlen", "sdpa"), default=settings.CEILING_ATTENTION)
@@ -72,8 +73,10 @@ class Command(BaseCommand):
             raise CommandError("--rate must be above 0 requests/s")
         if not 0 <= options["shared_fraction"] <= 1:
             raise CommandError("--shared-fraction must be between 0 and 1")
+        if not 2 <= options["max_output_tokens"] <= 256:
+            raise CommandError("--max-output-tokens must be between 2 and 256")
         return WorkloadSpec(requests=requests, seed=options["seed"], shared_fraction=options["shared_fraction"],
-                            rate=options["rate"])
+                            rate=options["rate"], max_output_tokens=options["max_output_tokens"])
 
     def _run(self, spec: WorkloadSpec, modes: list[str], options) -> tuple[dict, dict]:
         from transformers import AutoTokenizer

@@ -1,0 +1,147 @@
+"""manage.py bench: its workload, its arithmetic, the varlen attention it measures, and one real run of every mode.
+
+Numbers are printed and written, never asserted against a speed: this checks that the bench measures
+what it says it measures.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+
+import pytest
+import torch
+from django.core.management import CommandError, call_command
+
+from inference.attention import varlen_attention
+from inference.bench.measure import MODE_KEYS, BenchError, RequestTiming, percentile, summarise
+from inference.bench.workload import WorkloadSpec, mixed_workload
+
+
+def test_the_workload_is_fixed_by_its_seed_and_long_tailed():
+    spec = WorkloadSpec(requests=400, seed=7, shared_fraction=0.25)
+    first, again = mixed_workload(spec), mixed_workload(spec)
+    assert first == again
+    assert mixed_workload(WorkloadSpec(requests=400, seed=8)) != first
+    lengths = [r.output_tokens for r in first]
+    assert min(lengths) >= 8 and max(lengths) <= 256
+    assert statistics.mean(lengths) > statistics.median(lengths)  # a long right tail
+    assert sum(length >= 128 for length in lengths) >= 10 and lengths.count(256) >= 1
+    shared = [r for r in first if r.shared_prefix]
+    assert 0.15 < len(shared) / len(first) < 0.35
+    assert len({r.messages[0]["content"] for r in shared}) == 1
+    assert all(r.arrival_s == 0 for r in first)
+
+
+def test_poisson_arrivals_come_at_the_asked_rate():
+    requests = mixed_workload(WorkloadSpec(requests=500, seed=1, rate=4.0))
+    arrivals = [r.arrival_s for r in requests]
+    assert arrivals == sorted(arrivals) and arrivals[0] > 0
+    assert 3.4 < len(arrivals) / arrivals[-1] < 4.6
+
+
+def test_the_summary_follows_vllms_definitions():
+    timings = [
+        RequestTiming(0, arrival=10.0, first_token=10.1, finished=11.1, output_tokens=11),  # TPOT 100 ms
+        RequestTiming(1, arrival=10.0, first_token=10.3, finished=12.0, output_tokens=1),  # no TPOT
+    ]
+    summary = summarise(timings, peak_rss_mb=512.0)
+    assert tuple(summary) == MODE_KEYS
+    assert summary["requests"] == 2 and summary["output_tokens"] == 12
+    assert summary["output_tokens_per_s"] == pytest.approx(12 / 2.0)
+    assert summary["ttft_p50_ms"] == pytest.approx(200.0)
+    assert summary["tpot_p50_ms"] == pytest.approx(100.0) and summary["tpot_p99_ms"] == pytest.approx(100.0)
+    assert summary["e2e_p50_ms"] == pytest.approx(1550.0) and summary["e2e_p99_ms"] == pytest.approx(1991.0)
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+
+
+def test_a_failed_request_fails_the_mode_with_its_reason():
+    timings = [RequestTiming(0, 0.0, 0.1, 0.2, 2), RequestTiming(1, 0.0, error="engine_failed: boom")]
+    with pytest.raises(BenchError, match="1 of 2 requests failed: engine_failed: boom"):
+        summarise(timings, 1.0)
+
+
+def _packed_sdpa(query, key, value, q_lens, k_lens):
+    """transformers' own continuous-batching attention: one SDPA over the packed batch, block-diagonal causal mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    mask = torch.full((1, 1, sum(q_lens), sum(k_lens)), torch.finfo(torch.float32).min)
+    q0 = k0 = 0
+    for q_len, k_len in zip(q_lens, k_lens, strict=True):
+        for row in range(q_len):
+            mask[0, 0, q0 + row, k0 : k0 + k_len - q_len + row + 1] = 0
+        q0, k0 = q0 + q_len, k0 + k_len
+
+    class Layer:
+        num_key_value_groups = 3
+        is_causal = True
+
+    return sdpa_attention_forward(Layer(), query, key, value, mask, scaling=0.125)[0]
+
+
+@pytest.mark.parametrize(
+    "q_lens, k_lens",
+    [
+        ([1, 1, 1, 1], [5, 40, 17, 1]),  # decode only: one padded batch
+        ([6, 1, 3], [6, 30, 20]),  # a fresh prefill, a decode, a prefill after a shared prefix
+    ],
+)
+def test_varlen_attention_equals_transformers_packed_attention(q_lens, k_lens):
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 9, 3, 64
+    query = torch.randn(1, heads, sum(q_lens), dim)
+    key, value = torch.randn(1, kv_heads, sum(k_lens), dim), torch.randn(1, kv_heads, sum(k_lens), dim)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()])
+    ours = varlen_attention(query, key, value, cu_q, cu_k, 0.125)
+    theirs = _packed_sdpa(query, key, value, q_lens, k_lens)
+    assert ours.shape == theirs.shape == (1, sum(q_lens), heads, dim)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+
+
+def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transactional_db, redis_db, tmp_path):
+    out, page = tmp_path / "bench.json", tmp_path / "report.html"
+    printed = io.StringIO()
+    call_command(
+        "bench", "--requests", "3", "--shared-fraction", "1", "--max-output-tokens", "6",
+        "--json", str(out), "--html", str(page), stdout=printed,
+    )
+    result = json.loads(out.read_text())
+    assert set(result) == {"workload", "machine", "modes", "prefix", "roofline_tokens_per_s"}
+    assert list(result["modes"]) == ["sequential", "static", "engine", "stack"]
+    expected_tokens = result["workload"]["output_tokens_total"]
+    for name, figures in result["modes"].items():
+        assert tuple(figures) == MODE_KEYS, name
+        assert figures["requests"] == 3 and figures["output_tokens"] == expected_tokens, name
+        assert 0 < figures["ttft_p50_ms"] <= figures["e2e_p50_ms"] and figures["ttft_p50_ms"] <= figures["ttft_p99_ms"]
+        assert figures["output_tokens_per_s"] > 0 and figures["peak_rss_mb"] > 100
+    assert set(result["prefix"]) == {"ttft_p50_ms_on", "ttft_p50_ms_off"}
+    assert result["roofline_tokens_per_s"] > 0 and result["machine"]["parameters"] > 100_000_000
+    details = json.loads(page.with_suffix(".details.json").read_text())
+    assert details["extras"]["engine"]["peak_running_batch"] >= 1
+    assert len(details["timings"]["stack"]) == 3 and len(details["prefix"]["ttft_ms_on"]) == 3
+    report = page.read_text()
+    assert report.count('class="plotly-graph-div"') == 3 and report.count("Plotly.newPlot(") == 3
+    assert "Output tokens" in report and "End-to-end latency" in report and "stack" in report
+    assert "engine ≥ 3× static tokens/s" in printed.getvalue()
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--modes", "engine,turbo"], "unknown mode"),
+        (["--requests", "0"], "at least 1"),
+        (["--rate", "0"], "above 0"),
+        (["--shared-fraction", "2"], "between 0 and 1"),
+        (["--max-output-tokens", "999"], "between 2 and 256"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_runs(arguments, message, tmp_path):
+    with pytest.raises(CommandError, match=message):
+        call_command("bench", *arguments, "--html", str(tmp_path / "r.html"), stdout=io.StringIO())
+
+
+def test_a_json_path_in_a_missing_folder_is_refused(tmp_path):
+    with pytest.raises(CommandError, match="does not exist"):
+        call_command("bench", "--json", str(tmp_path / "no" / "b.json"), stdout=io.StringIO())
