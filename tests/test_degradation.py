@@ -62,7 +62,9 @@ def test_workers_down_the_websocket_user_is_told_within_the_timeout(stack_withou
     elapsed = time.monotonic() - started
     assert [f["type"] for f in frames] == ["accepted", "error"]
     assert frames[-1]["code"] == "timeout" and "did not start answering within 3 s" in frames[-1]["message"]
-    assert elapsed < 3 + 5  # the timeout plus start-up slack on a loaded machine
+    # Told at the 3 s timeout, not the default 60 s one; the first request to a fresh daphne also
+    # pays its start-up (seen at 8 s on a loaded 2-core box), so the bound only separates the two.
+    assert elapsed < 30
     row = TokenLog.objects.get(request_id=frames[0]["request_id"])
     assert row.status == TokenLog.Status.FAILED and "within 3 s" in row.error
     state = counter_state(redis_url, alice.pk)
