@@ -63,6 +63,14 @@ def worker_argv(concurrency: int, hostname: str = "inference@%h", queues: str = 
     ]
 
 
+def database_url(db: dict) -> str:
+    """A Django DATABASES entry back as the DATABASE_URL a child process (daphne, worker) reads."""
+    if db["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{db['NAME']}"
+    auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
+    return f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
 def redis_answers(url: str, timeout: float = 1.0) -> bool:
     try:
         return bool(redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout).ping())

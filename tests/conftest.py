@@ -47,11 +47,7 @@ class Stack:
 
 
 def _test_database_url() -> str:
-    db = settings.DATABASES["default"]
-    if db["ENGINE"].endswith("sqlite3"):
-        return f"sqlite:///{db['NAME']}"
-    auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
-    return f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+    return stack.database_url(settings.DATABASES["default"])
 
 
 @pytest.fixture(scope="session")

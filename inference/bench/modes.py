@@ -262,25 +262,13 @@ def batch_figures(running: list[int], kv_blocks: list[int], kv_blocks_total: int
 
 def run_prefix(model_dir: Path, requests: list[BenchRequest], threads: int = 2, **_) -> dict:
     """TTFT of the shared-system-prompt requests, sent one after another, with block sharing on then off."""
-    from ..engine import Engine, EngineConfig
-    from .prefix import time_to_first_token
+    from .measure import percentile
+    from .prefix import ttft_with_sharing_on_and_off
 
     shared = [r for r in requests if r.shared_prefix]
     if len(shared) < 2:
         raise BenchError("the workload has fewer than 2 shared-prefix requests; raise --shared-fraction")
-    ttft: dict[bool, list[float]] = {}
-    for sharing in (True, False):
-        engine = Engine(EngineConfig(model_dir=model_dir, torch_threads=threads, prefix_sharing=sharing))
-        engine.load(progress=lambda _: None)
-        engine.start()
-        try:
-            prompts = [engine.encode_chat(r.messages) for r in shared]
-            time_to_first_token(engine, "warm-up", prompts[0][:32])
-            ttft[sharing] = [time_to_first_token(engine, f"prefix-{sharing}-{i}", p) for i, p in enumerate(prompts)]
-        finally:
-            engine.stop()
-    from .measure import percentile
-
+    ttft, _ = ttft_with_sharing_on_and_off(model_dir, [r.messages for r in shared], threads, progress=lambda _: None)
     return {
         "requests": len(shared),
         "ttft_p50_ms_on": round(percentile(ttft[True], 50), 1),

@@ -59,32 +59,40 @@ def time_to_first_token(engine: Engine, request_id: str, prompt_ids: list[int]) 
 
 def prefix_sharing(model_dir, requests: int = 8, progress=print) -> PrefixResult:
     """TTFT of requests sharing a long system prompt, sent one after another, sharing on then off."""
-    timings: dict[bool, list[float]] = {}
-    prompts: list[list[int]] = []
-    for sharing in (True, False):
-        engine = Engine(EngineConfig(model_dir=model_dir, prefix_sharing=sharing))
-        engine.load(progress=lambda _: None)
-        engine.start()
-        try:
-            prompts = [
-                engine.encode_chat([{"role": "system", "content": SHARED_SYSTEM_PROMPT}, {"role": "user", "content": q}])
-                for q in (QUESTIONS * (requests // len(QUESTIONS) + 1))[:requests]
-            ]
-            time_to_first_token(engine, "warm-up", prompts[0][:32])  # first forward pass pays one-off costs
-            timings[sharing] = [time_to_first_token(engine, f"p{sharing}-{i}", ids) for i, ids in enumerate(prompts)]
-            progress(f"prefix sharing {'on' if sharing else 'off'}: TTFT p50 {statistics.median(timings[sharing]):.0f} ms")
-        finally:
-            engine.stop()
-    shared = _common_prefix(prompts)
+    conversations = [
+        [{"role": "system", "content": SHARED_SYSTEM_PROMPT}, {"role": "user", "content": q}]
+        for q in (QUESTIONS * (requests // len(QUESTIONS) + 1))[:requests]
+    ]
+    timings, prompts = ttft_with_sharing_on_and_off(model_dir, conversations, progress=progress)
     return PrefixResult(
         requests=requests,
         prompt_tokens=round(statistics.mean(len(p) for p in prompts)),
-        shared_prefix_tokens=shared,
+        shared_prefix_tokens=_common_prefix(prompts),
         ttft_p50_ms_on=round(statistics.median(timings[True]), 1),
         ttft_p50_ms_off=round(statistics.median(timings[False]), 1),
         ttft_ms_on=[round(t, 1) for t in timings[True]],
         ttft_ms_off=[round(t, 1) for t in timings[False]],
     )
+
+
+def ttft_with_sharing_on_and_off(
+    model_dir, conversations: list[list[dict]], threads: int = 2, progress=print
+) -> tuple[dict[bool, list[float]], list[list[int]]]:
+    """Each conversation's TTFT, one after another, on a fresh engine with block sharing on, then off."""
+    timings: dict[bool, list[float]] = {}
+    prompts: list[list[int]] = []
+    for sharing in (True, False):
+        engine = Engine(EngineConfig(model_dir=model_dir, torch_threads=threads, prefix_sharing=sharing))
+        engine.load(progress=lambda _: None)
+        engine.start()
+        try:
+            prompts = [engine.encode_chat(messages) for messages in conversations]
+            time_to_first_token(engine, "warm-up", prompts[0][:32])  # first forward pass pays one-off costs
+            timings[sharing] = [time_to_first_token(engine, f"p{sharing}-{i}", ids) for i, ids in enumerate(prompts)]
+            progress(f"prefix sharing {'on' if sharing else 'off'}: TTFT p50 {statistics.median(timings[sharing]):.0f} ms")
+        finally:
+            engine.stop()
+    return timings, prompts
 
 
 def _common_prefix(prompts: list[list[int]]) -> int:

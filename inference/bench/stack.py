@@ -83,14 +83,6 @@ def prepare_bench_user() -> str:
     return client.cookies[settings.SESSION_COOKIE_NAME].value
 
 
-def database_url() -> str:
-    db = settings.DATABASES["default"]
-    if db["ENGINE"].endswith("sqlite3"):
-        return f"sqlite:///{db['NAME']}"
-    auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
-    return f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
-
-
 @contextmanager
 def bench_stack(concurrency: int, threads: int, engine_env: dict[str, str], log_dir: Path, progress):
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -99,7 +91,7 @@ def bench_stack(concurrency: int, threads: int, engine_env: dict[str, str], log_
     queue = f"bench-{os.getpid()}"
     env = stack.child_env(
         CEILING_INFERENCE_QUEUE=queue,
-        DATABASE_URL=database_url(),
+        DATABASE_URL=stack.database_url(settings.DATABASES["default"]),
         REDIS_URL=settings.REDIS_URL,
         CEILING_IGNORE_EOS="1",
         CEILING_TORCH_THREADS=str(threads),
