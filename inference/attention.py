@@ -7,11 +7,17 @@ work instead of B × L, and first copies the K/V three times over (repeat_kv for
 to do it. On this model at B=32 that quadratic term is most of the step (measured in
 docs/benchmarks.md). There is no flash/paged kernel for CPU in transformers, so we supply one:
 
-- decode-only steps (every request adds one token, the common case): gather each request's K/V into
-  a padded [B, kv_heads, L_max, D] batch with one index_select and run ONE batched SDPA with a
-  per-row length mask and grouped-query heads handled by SDPA itself (enable_gqa, no copies);
-- steps with prefill: one SDPA per request over its own slice (causal, aligned to the end of its
+- decoding requests (one new token each, most of every step) are sorted by context length and
+  split into a few length buckets; each bucket gathers its requests' K/V into a padded
+  [b, kv_heads, L_max, D] batch and runs ONE batched SDPA with a per-row length mask and grouped-query
+  heads handled by SDPA itself (enable_gqa, no copies). Buckets matter: one padded batch for all
+  requests pads 55 short chats to the length of a 800-token system prompt and copied 5.6× the real
+  K/V in every layer (2 s steps at 64 requests; see docs/benchmarks.md);
+- prefilling requests: one SDPA per request over its own slice (causal, aligned to the end of its
   context), since prefill is compute-bound per request anyway.
+
+How a step's requests are laid out (buckets, gather indices, masks) is worked out once per step and
+reused by all layers: the layers of one forward pass see the same cu_seq_lens.
 
 The function is registered in place of "sdpa" and falls through to transformers' own SDPA for every
 call that does not come from the continuous-batching engine (no cu_seq_lens_q) or from a model that
@@ -21,11 +27,18 @@ token-identical to transformers' own (tests/test_engine.py).
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 _installed = False
 FLAG = "ceiling_varlen_attention"
+
+# A bucket's fixed cost (one gather, one SDPA call, its mask) in padded-token equivalents: measured on
+# this CPU, a bucket costs about as much as copying and attending 256 more padded key positions.
+BUCKET_COST_TOKENS = 64
 
 
 def enable(model) -> None:
@@ -54,6 +67,27 @@ def _install() -> None:
     _installed = True
 
 
+@dataclass(frozen=True)
+class DecodeBucket:
+    """Decoding requests attended together: their query rows, where their keys are, and which are padding."""
+
+    rows: torch.Tensor  # [b] rows of the packed query
+    index: torch.Tensor  # [b * longest] rows of the packed K/V (padding repeats a real row)
+    valid: torch.Tensor | None  # [b, 1, 1, longest], None when no row is padded
+    batch: int
+    longest: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    decode_buckets: list[DecodeBucket]
+    prefills: list[tuple[int, int, int, int]]  # (query start, query length, key start, key length)
+    query_rows: int  # rows of the packed query that belong to a request; the rest is padding
+
+
+_plans = threading.local()  # one engine thread per weight variant: plans are per thread
+
+
 def varlen_attention(
     query: torch.Tensor,  # [1, heads, total_q, D]
     key: torch.Tensor,  # [1, kv_heads, total_k, D]
@@ -63,38 +97,108 @@ def varlen_attention(
     scaling: float | None,
 ) -> torch.Tensor:
     """Causal attention of each request's queries over its own keys only → [1, total_q, heads, D]."""
-    q_lens = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
-    k_lens = (cu_seq_lens_k[1:] - cu_seq_lens_k[:-1]).tolist()
-    # Padding sequences (lengths 0) may follow the real ones; the packed query may also be padded.
-    live = [i for i, n in enumerate(q_lens) if n > 0]
-    output = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])
-    if live and all(q_lens[i] == 1 for i in live):
-        rows = cu_seq_lens_q[:-1][live]
-        starts = cu_seq_lens_k[:-1][live]
-        output[rows] = _decode_batch(query[0, :, rows], key, value, starts, [k_lens[i] for i in live], scaling)
-    else:
-        for i in live:
-            q0, k0 = int(cu_seq_lens_q[i]), int(cu_seq_lens_k[i])
-            output[q0 : q0 + q_lens[i]] = _one_request(
-                query[:, :, q0 : q0 + q_lens[i]], key[:, :, k0 : k0 + k_lens[i]], value[:, :, k0 : k0 + k_lens[i]], scaling
-            )
+    plan = step_plan(cu_seq_lens_q, cu_seq_lens_k)
+    total_q = query.shape[2]
+    make = query.new_zeros if plan.query_rows < total_q else query.new_empty
+    output = make(total_q, query.shape[1], query.shape[3])
+    if plan.decode_buckets:
+        keys_by_token, values_by_token = _by_token(key), _by_token(value)
+    for bucket in plan.decode_buckets:
+        output[bucket.rows] = _decode_bucket(query[0, :, bucket.rows], keys_by_token, values_by_token, bucket, scaling)
+    for q0, q_len, k0, k_len in plan.prefills:
+        output[q0 : q0 + q_len] = _one_request(
+            query[:, :, q0 : q0 + q_len], key[:, :, k0 : k0 + k_len], value[:, :, k0 : k0 + k_len], scaling
+        )
     return output.unsqueeze(0)
 
 
-def _decode_batch(queries, key, value, starts, k_lens, scaling) -> torch.Tensor:
-    """One query token per request ([heads, B, D]): a padded batch and one SDPA call → [B, heads, D]."""
-    batch, longest = len(k_lens), max(k_lens)
-    lengths = torch.tensor(k_lens)
+def step_plan(cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor) -> StepPlan:
+    """The step's layout, built by its first layer and reused by the others."""
+    key = (tuple(cu_seq_lens_q.tolist()), tuple(cu_seq_lens_k.tolist()))
+    cached = getattr(_plans, "last", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    plan = build_plan(*key)
+    _plans.last = (key, plan)
+    return plan
+
+
+def build_plan(cu_q: tuple[int, ...], cu_k: tuple[int, ...]) -> StepPlan:
+    decoding, prefills = [], []
+    for i in range(len(cu_q) - 1):
+        q_len, k_len = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        if q_len == 0:  # padding sequences may follow the real ones
+            continue
+        if q_len == 1:
+            decoding.append((k_len, cu_q[i], cu_k[i]))
+        else:
+            prefills.append((cu_q[i], q_len, cu_k[i], k_len))
+    decoding.sort()
+    buckets = [_bucket(decoding[start:end]) for start, end in length_buckets([k for k, _, _ in decoding])]
+    return StepPlan(buckets, prefills, query_rows=cu_q[-1])
+
+
+def length_buckets(sorted_lengths: list[int], bucket_cost: int | None = None) -> list[tuple[int, int]]:
+    """Split ascending lengths into [start, end) runs minimising padded positions + bucket_cost per run.
+
+    A run is padded to its last (longest) member; dynamic programming over the split points is exact
+    and cheap for a batch (64 requests: 2,000 steps, once per forward pass).
+    """
+    bucket_cost = BUCKET_COST_TOKENS if bucket_cost is None else bucket_cost
+    n = len(sorted_lengths)
+    best = [0] + [None] * n  # best[j]: cost of the first j lengths
+    split = [0] * (n + 1)
+    for end in range(1, n + 1):
+        longest = sorted_lengths[end - 1]
+        for start in range(end):
+            cost = best[start] + (end - start) * longest + bucket_cost
+            if best[end] is None or cost < best[end]:
+                best[end], split[end] = cost, start
+    runs, end = [], n
+    while end > 0:
+        runs.append((split[end], end))
+        end = split[end]
+    return runs[::-1]
+
+
+def _bucket(members: list[tuple[int, int, int]]) -> DecodeBucket:
+    """members: (key length, query row, key start) of each request, ascending by length."""
+    lengths = torch.tensor([k for k, _, _ in members])
+    longest = int(lengths[-1])
     positions = torch.arange(longest)
-    valid = positions[None, :] < lengths[:, None]  # [B, L_max]
+    valid = positions[None, :] < lengths[:, None]  # [b, longest]
+    starts = torch.tensor([s for _, _, s in members])
     # Padding positions read a real row (the request's first) and are masked out.
     index = (starts[:, None] + torch.where(valid, positions[None, :], 0)).reshape(-1)
-    keys = key[0].index_select(1, index).view(key.shape[1], batch, longest, -1).transpose(0, 1)
-    values = value[0].index_select(1, index).view(value.shape[1], batch, longest, -1).transpose(0, 1)
+    padded = bool((lengths < longest).any())
+    return DecodeBucket(
+        rows=torch.tensor([r for _, r, _ in members]),
+        index=index,
+        valid=valid[:, None, None, :] if padded else None,
+        batch=len(members),
+        longest=longest,
+    )
+
+
+def _decode_bucket(queries, keys_by_token, values_by_token, bucket: DecodeBucket, scaling) -> torch.Tensor:
+    """One query token per request ([heads, b, D]) over its bucket's padded K/V → [b, heads, D]."""
+    shape = (bucket.batch, bucket.longest, keys_by_token.shape[1], keys_by_token.shape[2])
+    keys = keys_by_token.index_select(0, bucket.index).view(shape).transpose(1, 2)  # [b, kv_heads, L, D]
+    values = values_by_token.index_select(0, bucket.index).view(shape).transpose(1, 2)
     out = F.scaled_dot_product_attention(
-        queries.transpose(0, 1).unsqueeze(2), keys, values, attn_mask=valid[:, None, None, :], scale=scaling, enable_gqa=True
+        queries.transpose(0, 1).unsqueeze(2), keys, values, attn_mask=bucket.valid, scale=scaling, enable_gqa=True
     )
     return out[:, :, 0, :]
+
+
+def _by_token(states: torch.Tensor) -> torch.Tensor:
+    """[1, kv_heads, T, D] → [T, kv_heads, D], contiguous so that gathering rows copies only those rows.
+
+    The paged cache hands us exactly this memory layout, transposed: then this is free. (Gathering
+    along dim 1 of the transposed view instead made torch copy ALL of K and V first, per bucket.)
+    """
+    by_token = states[0].transpose(0, 1)
+    return by_token if by_token.is_contiguous() else by_token.contiguous()
 
 
 def _one_request(query, key, value, scaling) -> torch.Tensor:

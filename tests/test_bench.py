@@ -14,7 +14,7 @@ import pytest
 import torch
 from django.core.management import CommandError, call_command
 
-from inference.attention import varlen_attention
+from inference.attention import length_buckets, step_plan, varlen_attention
 from inference.bench.measure import MODE_KEYS, BenchError, RequestTiming, percentile, summarise
 from inference.bench.workload import WorkloadSpec, mixed_workload
 
@@ -85,6 +85,8 @@ def _packed_sdpa(query, key, value, q_lens, k_lens):
     [
         ([1, 1, 1, 1], [5, 40, 17, 1]),  # decode only: one padded batch
         ([6, 1, 3], [6, 30, 20]),  # a fresh prefill, a decode, a prefill after a shared prefix
+        ([1] * 7, [5, 900, 40, 17, 880, 1, 300]),  # decode only, lengths far apart: several buckets
+        ([1, 5, 1, 1, 0], [700, 5, 3, 650, 0]),  # decodes in two buckets beside a prefill, then padding
     ],
 )
 def test_varlen_attention_equals_transformers_packed_attention(q_lens, k_lens):
@@ -98,6 +100,22 @@ def test_varlen_attention_equals_transformers_packed_attention(q_lens, k_lens):
     theirs = _packed_sdpa(query, key, value, q_lens, k_lens)
     assert ours.shape == theirs.shape == (1, sum(q_lens), heads, dim)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+
+
+def test_length_buckets_split_where_padding_costs_more_than_another_bucket():
+    assert length_buckets([10, 12, 14], bucket_cost=64) == [(0, 3)]
+    assert length_buckets([10, 12, 800, 810], bucket_cost=64) == [(0, 2), (2, 4)]
+    assert length_buckets([10, 12, 800, 810], bucket_cost=10**6) == [(0, 4)]
+    assert length_buckets([5, 6, 7], bucket_cost=0) == [(0, 1), (1, 2), (2, 3)]
+    assert length_buckets([]) == []
+
+
+def test_a_step_plan_is_built_once_and_reused_by_every_layer():
+    cu_q, cu_k = torch.tensor([0, 1, 2]), torch.tensor([0, 10, 900])
+    first = step_plan(cu_q, cu_k)
+    assert step_plan(cu_q.clone(), cu_k.clone()) is first
+    assert [bucket.batch for bucket in first.decode_buckets] == [1, 1]
+    assert step_plan(cu_q, torch.tensor([0, 10, 21])) is not first
 
 
 def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transactional_db, redis_db, tmp_path):
