@@ -29,6 +29,7 @@ import torch
 
 from . import attention
 from .quantization import quantize_model, weights_memory_bytes
+from .skinny import use_skinny_linears
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class EngineConfig:
     # "varlen": our per-request attention for CPU steps (inference/attention.py); "sdpa": transformers'
     # packed attention, which costs B × (all tokens of the batch) per step.
     attention: str = "varlen"
+    # CPU decode steps' linear layers as W·xᵀ (inference/skinny.py).
+    skinny_linear: bool = True
     # "none" or "int8" (inference/quantization.py): how the weights are stored once loaded.
     quantization: str = "none"
 
@@ -70,6 +73,7 @@ class EngineConfig:
             max_batch_tokens=settings.CEILING_MAX_BATCH_TOKENS,
             prefix_sharing=settings.CEILING_PREFIX_SHARING,
             attention=settings.CEILING_ATTENTION,
+            skinny_linear=settings.CEILING_SKINNY_LINEAR,
             quantization=quantization or settings.CEILING_QUANTIZATION,
         )
 
@@ -184,8 +188,11 @@ class Engine:
         model = model.to(self.config.device).eval()
         self.model = quantize_model(model, self.config.quantization)
         self.weights_bytes = weights_memory_bytes(self.model)
-        if self.config.attention == "varlen" and not self.config.device.startswith("cuda"):
+        on_cpu = not self.config.device.startswith("cuda")
+        if self.config.attention == "varlen" and on_cpu:
             attention.enable(self.model)
+        if self.config.skinny_linear and on_cpu:
+            use_skinny_linears(self.model)
         progress(
             f"Model loaded in {time.monotonic() - started:.1f} s "
             f"({self.config.quantization}, weights {self.weights_bytes / 2**20:.0f} MiB)"

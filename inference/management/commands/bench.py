@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json as jsonlib
 from pathlib import Path
 
@@ -31,6 +32,8 @@ class Command(BaseCommand):
         parser.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma-separated, of {', '.join(ALL_MODES)}")
         parser.add_argument("--threads", type=int, default=settings.CEILING_TORCH_THREADS)
         parser.add_argument("--attention", choices=("varlen", "sdpa"), default=settings.CEILING_ATTENTION)
+        parser.add_argument("--skinny-linear", action=argparse.BooleanOptionalAction, default=settings.CEILING_SKINNY_LINEAR,
+                            help="decode-sized matmuls as W·xᵀ (inference/skinny.py)")
         parser.add_argument("--max-batch-tokens", type=int, default=settings.CEILING_MAX_BATCH_TOKENS)
         parser.add_argument("--json", type=Path, help="write the result (the agreed JSON shape) here")
         parser.add_argument("--html", type=Path, default=None, help="HTML report (default var/bench/report.html)")
@@ -98,7 +101,11 @@ class Command(BaseCommand):
             f"workload: {spec.requests} requests, {workload['output_tokens_total']} output tokens "
             f"({workload['arrivals']}); machine: {machine['matmul_gflops']} GFLOP/s on {threads} threads"
         )
-        engine_options = {"attention": options["attention"], "max_batch_tokens": options["max_batch_tokens"]}
+        engine_options = {
+            "attention": options["attention"],
+            "max_batch_tokens": options["max_batch_tokens"],
+            "skinny_linear": options["skinny_linear"],
+        }
         results, prefix = {}, None
         for mode in modes:
             self.stdout.write(f"running {mode}…")
@@ -126,7 +133,11 @@ class Command(BaseCommand):
 
         from inference.bench.stack import run_stack
 
-        env = {"CEILING_ATTENTION": engine_options["attention"], "CEILING_MAX_BATCH_TOKENS": str(engine_options["max_batch_tokens"])}
+        env = {
+            "CEILING_ATTENTION": engine_options["attention"],
+            "CEILING_MAX_BATCH_TOKENS": str(engine_options["max_batch_tokens"]),
+            "CEILING_SKINNY_LINEAR": "1" if engine_options["skinny_linear"] else "0",
+        }
         result = run_stack(requests, threads=threads, engine_env=env, log_dir=Path(settings.VAR_DIR) / "bench",
                            progress=self.stdout.write)
         return asdict(result)
