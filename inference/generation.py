@@ -12,7 +12,7 @@ import logging
 import time
 
 from django.conf import settings
-from django.db import DatabaseError, close_old_connections
+from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
 from budgets.models import Provider, TokenLog
@@ -66,9 +66,11 @@ def _generate(request_id: str) -> None:
     # From here on, a web process that hears nothing can check whether this worker is still alive.
     bus.claim_request(request_id, settings.CEILING_RESERVATION_TTL_S)
     if log_row.provider is not None and log_row.provider.kind == Provider.Kind.OPENAI_COMPATIBLE:
+        release_database_connection()
         _generate_remote(log_row, group)
         return
     prompt_ids = log_row.transcript.prompt_ids
+    release_database_connection()
     try:
         # The feature's weight variant (Feature.quantization); a worker loads a variant at its first request.
         engine = get_engine(log_row.feature.quantization if log_row.feature else None)
@@ -225,6 +227,15 @@ def _with_database_retry(write, *args, **kwargs):
             log.warning("the database is unavailable (%s); retrying the ledger write", exc)
             close_old_connections()  # drops the broken connection; the next try opens a fresh one
             time.sleep(1.0)
+
+
+def release_database_connection() -> None:
+    """Hand this thread's connection back to the pool while the answer streams (for minutes, maybe).
+
+    A worker runs one thread per chat in flight; holding a connection each would need a pool as large
+    as the batch. _finish checks one out again to settle the ledger.
+    """
+    connection.close()
 
 
 def _ms_since(moment) -> int:
