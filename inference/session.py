@@ -27,6 +27,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
+from functools import partial
 
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
@@ -345,7 +346,10 @@ def get_feature(name: str) -> Feature | None:
     return Feature.objects.select_related("provider").filter(name=name).first()
 
 
-@database_sync_to_async
+# Admissions run side by side in the event loop's thread pool (not the one thread-sensitive thread):
+# the guard is built for concurrent admissions (tests/test_guard*.py), and 64 chats arriving together
+# otherwise queue one behind another for their ~12 ledger queries each.
+@partial(database_sync_to_async, thread_sensitive=False)
 def admit_request(request_id, user, feature, messages, prompt_ids, max_tokens, loop) -> Decision:
     return do_admit_request(
         request_id=request_id,
