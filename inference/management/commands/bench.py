@@ -97,6 +97,7 @@ class Command(BaseCommand):
         machine["parameters"] = parameter_count(folder)
         machine["attention"] = options["attention"]
         machine["max_batch_tokens"] = options["max_batch_tokens"]
+        machine["skinny_linear"] = options["skinny_linear"]
         self.stdout.write(
             f"workload: {spec.requests} requests, {workload['output_tokens_total']} output tokens "
             f"({workload['arrivals']}); machine: {machine['matmul_gflops']} GFLOP/s on {threads} threads"
