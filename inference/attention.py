@@ -36,8 +36,8 @@ import torch.nn.functional as F
 _installed = False
 FLAG = "ceiling_varlen_attention"
 
-# A bucket's fixed cost (one gather, one SDPA call, its mask) in padded-token equivalents: measured on
-# this CPU, a bucket costs about as much as copying and attending 256 more padded key positions.
+# A bucket's fixed cost (one gather, one SDPA call, its mask) in padded-token equivalents: of 0, 16, 64,
+# 256 and 1024 measured on this CPU (64 mixed decodes, docs/benchmarks.md), 64 was fastest.
 BUCKET_COST_TOKENS = 64
 
 
@@ -170,7 +170,7 @@ def _bucket(members: list[tuple[int, int, int]]) -> DecodeBucket:
     starts = torch.tensor([s for _, _, s in members])
     # Padding positions read a real row (the request's first) and are masked out.
     index = (starts[:, None] + torch.where(valid, positions[None, :], 0)).reshape(-1)
-    padded = bool((lengths < longest).any())
+    padded = members[0][0] < longest  # ascending: only the shortest needs checking
     return DecodeBucket(
         rows=torch.tensor([r for _, r, _ in members]),
         index=index,

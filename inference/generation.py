@@ -65,12 +65,12 @@ def _generate(request_id: str) -> None:
         return
     # From here on, a web process that hears nothing can check whether this worker is still alive.
     bus.claim_request(request_id, settings.CEILING_RESERVATION_TTL_S)
+    # Everything below reads the row and its select_related parts only; _finish checks a connection out again.
+    release_database_connection()
     if log_row.provider is not None and log_row.provider.kind == Provider.Kind.OPENAI_COMPATIBLE:
-        release_database_connection()
         _generate_remote(log_row, group)
         return
     prompt_ids = log_row.transcript.prompt_ids
-    release_database_connection()
     try:
         # The feature's weight variant (Feature.quantization); a worker loads a variant at its first request.
         engine = get_engine(log_row.feature.quantization if log_row.feature else None)
