@@ -88,7 +88,10 @@ def start_worker_services() -> None:
         name="stats-publisher",
         daemon=True,
     ).start()
-    threading.Thread(target=reconcile_forever, args=(_stop_services,), name="reconciliation", daemon=True).start()
+    if settings.CEILING_RECONCILE_EVERY_S > 0:
+        threading.Thread(
+            target=reconcile_forever, args=(_stop_services, settings.CEILING_RECONCILE_EVERY_S), name="reconciliation", daemon=True
+        ).start()
     log.info("engine ready: %s", engine.stats().as_dict())
 
 

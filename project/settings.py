@@ -326,6 +326,9 @@ CEILING_GUARD_TIMEOUT_S = envfloat("CEILING_GUARD_TIMEOUT_S", 0.1, minimum=0.01)
 # A request still "running" this long after admission was lost (worker crash): reconciliation
 # marks it failed and releases its reservation.
 CEILING_RESERVATION_TTL_S = envint("CEILING_RESERVATION_TTL_S", 600, minimum=60)
+# Each worker sweeps lost requests, unsettled counters and unsent alerts this often; 0 turns the
+# sweep off (tests that drive those paths by hand turn it off in their workers, so a sweep cannot race them).
+CEILING_RECONCILE_EVERY_S = envfloat("CEILING_RECONCILE_EVERY_S", 60.0, minimum=0.0)
 CEILING_LOOP_MAX_CALLS = envint("CEILING_LOOP_MAX_CALLS", 10, minimum=1)
 CEILING_LOOP_MAX_COST_MICRO_USD = envint("CEILING_LOOP_MAX_COST_MICRO_USD", 1_000_000, minimum=0)
 

@@ -77,6 +77,8 @@ def start_stack(redis_client: redis.Redis, name: str, worker_name: str) -> tuple
         CEILING_FIRST_TOKEN_TIMEOUT_S="60",
         CEILING_ENGINE_FIRST_TOKEN_S="50",
         CEILING_METRICS_TOKEN="test-metrics-token",
+        # Tests drive reconciliation and alert sending by hand; a worker's own sweep would race them.
+        CEILING_RECONCILE_EVERY_S="0",
     )
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
     daphne_log, worker_log = log_dir / f"{name}-daphne.log", log_dir / f"{name}-worker.log"
