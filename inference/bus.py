@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -109,14 +110,11 @@ def claim_request(request_id: str, ttl_s: int) -> None:
         log.warning("could not record the owner of %s: %s", request_id, exc)
 
 
-def record_progress(request_id: str, tokens: int) -> None:
-    """The tokens streamed so far: what the ledger counts if this worker dies before settling."""
-    if not _heartbeat.is_set():
-        return
-    try:
-        redis_client().hset(RUNNING_KEY.format(request_id), "tokens", tokens)
-    except redis.RedisError as exc:
-        log.warning("could not record the progress of %s: %s", request_id, exc)
+# The tokens streamed so far: what the ledger counts if the worker dies before settling. Written only
+# while the claim exists: a late write after release_claim must not leave a key with no TTL behind.
+RECORD_PROGRESS_LUA = """
+if redis.call('exists', KEYS[1]) == 1 then redis.call('hset', KEYS[1], 'tokens', ARGV[1]) end
+"""
 
 
 def release_claim(request_id: str) -> None:
@@ -174,34 +172,70 @@ def read_engine_stats() -> list[dict]:
 
 
 class ChannelSender:
-    """One event loop thread that performs every group_send of this process, in submission order."""
+    """One event loop thread that performs every group_send of this process.
+
+    Messages to one group go out in the order they were handed over, each after the one before it
+    finished; messages to different groups go out side by side. The hand-over never waits for Redis,
+    so a worker's streaming threads (one per chat) spend no time blocked on the channel layer and
+    its round trips overlap on the loop instead of taking turns for the GIL.
+    """
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="channel-sender", daemon=True)
         self.thread.start()
         self.layer = get_channel_layer()
+        self._last_send: dict[str, asyncio.Task] = {}  # group → its newest send (loop thread only)
+        self._redis: aioredis.Redis | None = None  # the loop's own client, for progress records
 
     def group_send(self, group: str, message: dict, timeout: float = 5.0, wait: bool = True) -> bool:
-        """Send and wait (the next token must not overtake this one). False if the layer failed.
-
-        wait=False hands the message over and returns at once (for events whose order does not matter).
-        """
-        future = asyncio.run_coroutine_threadsafe(self.layer.group_send(group, message), self.loop)
+        """Send after the group's earlier messages; wait for it unless wait=False. False if it failed."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.loop.call_soon_threadsafe(self._enqueue, group, message, None, done)
         if not wait:
-            future.add_done_callback(_log_failure)
             return True
         try:
-            future.result(timeout=timeout)
-            return True
-        except Exception as exc:  # noqa: BLE001 - the channel layer is at-most-once; the ledger is not
-            log.warning("channel layer send to %s failed: %s", group, exc)
+            return done.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            log.warning("channel layer send to %s took over %.0f s", group, timeout)
             return False
 
+    def send_token(self, group: str, message: dict, request_id: str, tokens_streamed: int) -> None:
+        """Hand a token frame over and return at once; its progress record is written before it is sent."""
+        progress = (request_id, tokens_streamed) if _heartbeat.is_set() else None
+        self.loop.call_soon_threadsafe(self._enqueue, group, message, progress, None)
 
-def _log_failure(future) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.warning("channel layer send failed: %s", future.exception())
+    def _enqueue(self, group: str, message: dict, progress, done) -> None:
+        previous = self._last_send.get(group)
+        task = self.loop.create_task(self._send_after(previous, group, message, progress, done))
+        self._last_send[group] = task
+        task.add_done_callback(lambda finished: self._forget(group, finished))
+
+    def _forget(self, group: str, finished: asyncio.Task) -> None:
+        if self._last_send.get(group) is finished:
+            del self._last_send[group]
+
+    async def _send_after(self, previous, group: str, message: dict, progress, done) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])  # never raises: the previous send caught its own failure
+        sent = False
+        try:
+            if progress is not None:
+                await self._record_progress(*progress)
+            await self.layer.group_send(group, message)
+            sent = True
+        except Exception as exc:  # noqa: BLE001 - the channel layer is at-most-once; the ledger is not
+            log.warning("channel layer send to %s failed: %s", group, exc)
+        if done is not None and not done.done():
+            done.set_result(sent)
+
+    async def _record_progress(self, request_id: str, tokens: int) -> None:
+        if self._redis is None:
+            self._redis = aioredis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
+        try:
+            await self._redis.eval(RECORD_PROGRESS_LUA, 1, RUNNING_KEY.format(request_id), tokens)
+        except redis.RedisError as exc:
+            log.warning("could not record the progress of %s: %s", request_id, exc)
 
 
 _sender: ChannelSender | None = None

@@ -25,23 +25,34 @@ log = logging.getLogger(__name__)
 
 
 class IncrementalDecoder:
-    """Token ids → text pieces, holding back an incomplete UTF-8 character until it completes."""
+    """Token ids → text pieces in O(1) per token, holding back an incomplete UTF-8 character.
+
+    Decoding the whole answer at every token costs O(n) each, O(n²) per answer. As vLLM does, only a
+    short window is decoded: the text of ids[prefix:] minus that of ids[prefix:read] is what the new
+    ids added (a byte-level BPE decodes a window exactly as it does inside the whole answer; a test
+    checks the pieces add up to the full decode).
+    """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.sent = 0
+        self.prefix_offset = 0  # the window starts here: context for the ids being decoded
+        self.read_offset = 0  # ids before this have been sent as text
 
     def push(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        text = self.text()
-        if text.endswith("\ufffd"):
-            return ""
-        piece, self.sent = text[self.sent :], len(text)
-        return piece
+        known = self._decode(self.prefix_offset, self.read_offset)
+        extended = self._decode(self.prefix_offset, len(self.ids))
+        if len(extended) <= len(known) or extended.endswith("\ufffd"):
+            return ""  # nothing printable yet, or a character still incomplete: wait for more ids
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return extended[len(known) :]
 
     def text(self) -> str:
         return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=True) if end > start else ""
 
 
 def run_generation(request_id: str) -> None:
@@ -96,9 +107,10 @@ def _stream(engine, handle, log_row: TokenLog, group: str) -> None:
                 ttft_ms = _ms_since(log_row.created_at)
             piece = decoder.push(event.new_tokens)
             if piece:
-                # Recorded before it is sent: if this worker dies, the ledger counts every token a user saw.
-                bus.record_progress(log_row.request_id, len(decoder.ids))
-                sender.group_send(group, {"type": "chat.token", "request_id": log_row.request_id, "text": piece, "seq": seq})
+                # Its progress is recorded before it is sent: if this worker dies, the ledger counts
+                # every token a user saw. The hand-over does not wait; _finish's frame goes out after it.
+                token = {"type": "chat.token", "request_id": log_row.request_id, "text": piece, "seq": seq}
+                sender.send_token(group, token, log_row.request_id, len(decoder.ids))
                 seq += 1
             if event.finished:
                 finish_reason, error = event.finish_reason, event.error or ""
@@ -133,8 +145,7 @@ def _generate_remote(log_row: TokenLog, group: str) -> None:
                 if ttft_ms is None:
                     ttft_ms = _ms_since(log_row.created_at)
                 token = {"type": "chat.token", "request_id": log_row.request_id, "text": event.text, "seq": seq}
-                bus.record_progress(log_row.request_id, seq + 1)  # the remote's own count comes at the end
-                sender.group_send(group, token)
+                sender.send_token(group, token, log_row.request_id, seq + 1)  # the remote's own count comes at the end
                 seq += 1
             if event.finished:
                 finish_reason, error = event.finish_reason, event.error or ""
