@@ -19,6 +19,13 @@ docs/benchmarks.md). There is no flash/paged kernel for CPU in transformers, so 
 How a step's requests are laid out (buckets, gather indices, masks) is worked out once per step and
 reused by all layers: the layers of one forward pass see the same cu_seq_lens.
 
+K/V are read straight from the paged cache. transformers' cache update writes the step's new K/V,
+then gathers EVERY request's whole context into one packed tensor per layer (index_select over
+read_index) for the attention to read; our buckets then gathered their rows again. For an opted-in
+model the update hands over the cache itself and read_index instead (READ_INDEX in the kwargs), and
+each bucket gathers its rows from the cache in one pass: one copy of the K/V a step needs, not two
+copies of all of it.
+
 The function is registered in place of "sdpa" and falls through to transformers' own SDPA for every
 call that does not come from the continuous-batching engine (no cu_seq_lens_q) or from a model that
 did not opt in with enable(model), so `generate` is unchanged, and greedy outputs of the engine stay
@@ -35,6 +42,8 @@ import torch.nn.functional as F
 
 _installed = False
 FLAG = "ceiling_varlen_attention"
+# The kwarg our cache update adds: rows of the cache that make up the packed keys (see the module doc).
+READ_INDEX = "ceiling_read_index"
 
 # A bucket's fixed cost (one gather, one SDPA call, its mask) in padded-token equivalents: of 0, 16, 64,
 # 256 and 1024 measured on this CPU (64 mixed decodes, docs/benchmarks.md), 64 was fastest.
@@ -61,10 +70,47 @@ def _install() -> None:
         opted_in = getattr(getattr(module, "config", None), FLAG, False)
         if not opted_in or not isinstance(cu_seq_lens_q, torch.Tensor) or not isinstance(cu_seq_lens_k, torch.Tensor):
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-        return varlen_attention(query, key, value, cu_seq_lens_q, cu_seq_lens_k, scaling), None
+        read_index = kwargs.get(READ_INDEX)
+        return varlen_attention(query, key, value, cu_seq_lens_q, cu_seq_lens_k, scaling, read_index), None
 
     ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_or_varlen
+    _install_direct_cache_reads()
     _installed = True
+
+
+def _install_direct_cache_reads() -> None:
+    """Opted-in models' cache updates write the new K/V and hand over the cache and read_index, unread.
+
+    The write is transformers' own (FullAttentionCacheAllocator.update, first half); only the read-back
+    is left to the attention. Anything else (block tables, other allocators, models that did not opt
+    in) takes transformers' path unchanged.
+    """
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
+
+    packed_update = PagedAttentionCache.update
+
+    def update(self, key_states, value_states, layer_idx, kwargs):
+        allocator = self.layer_to_allocator[layer_idx]
+        if (
+            not getattr(self.config, FLAG, False)
+            or kwargs.get("block_table") is not None
+            or type(allocator) is not FullAttentionCacheAllocator
+        ):
+            return packed_update(self, key_states, value_states, layer_idx, kwargs)
+        kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type].to(torch.int32)
+        kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]
+        read_index = kwargs["read_index"][allocator.index]
+        write_index = kwargs["write_index"][allocator.index]
+        k_cache, v_cache = allocator._kv_token_views[layer_idx]  # [cache tokens, kv_heads, D]
+        k_cache.index_copy_(0, write_index, key_states[0].transpose(0, 1))
+        v_cache.index_copy_(0, write_index, value_states[0].transpose(0, 1))
+        if read_index.numel() == 0:  # fresh prefills only: the new K/V are all there is
+            return key_states, value_states
+        kwargs[READ_INDEX] = read_index
+        return k_cache.transpose(0, 1).unsqueeze(0), v_cache.transpose(0, 1).unsqueeze(0)
+
+    PagedAttentionCache.update = update
 
 
 @dataclass(frozen=True)
@@ -90,25 +136,30 @@ _plans = threading.local()  # one engine thread per weight variant: plans are pe
 
 def varlen_attention(
     query: torch.Tensor,  # [1, heads, total_q, D]
-    key: torch.Tensor,  # [1, kv_heads, total_k, D]
+    key: torch.Tensor,  # [1, kv_heads, total_k, D], or the whole cache when read_index is given
     value: torch.Tensor,
     cu_seq_lens_q: torch.Tensor,  # [B + 1]
     cu_seq_lens_k: torch.Tensor,  # [B + 1]
     scaling: float | None,
+    read_index: torch.Tensor | None = None,  # [total_k]: the cache row of each packed key
 ) -> torch.Tensor:
     """Causal attention of each request's queries over its own keys only → [1, total_q, heads, D]."""
     plan = step_plan(cu_seq_lens_q, cu_seq_lens_k)
     total_q = query.shape[2]
     make = query.new_zeros if plan.query_rows < total_q else query.new_empty
     output = make(total_q, query.shape[1], query.shape[3])
-    if plan.decode_buckets:
+    if plan.decode_buckets or read_index is not None:
         keys_by_token, values_by_token = _by_token(key), _by_token(value)
     for bucket in plan.decode_buckets:
-        output[bucket.rows] = _decode_bucket(query[0, :, bucket.rows], keys_by_token, values_by_token, bucket, scaling)
+        rows = bucket.index if read_index is None else read_index.index_select(0, bucket.index)
+        output[bucket.rows] = _decode_bucket(query[0, :, bucket.rows], keys_by_token, values_by_token, rows, bucket, scaling)
     for q0, q_len, k0, k_len in plan.prefills:
-        output[q0 : q0 + q_len] = _one_request(
-            query[:, :, q0 : q0 + q_len], key[:, :, k0 : k0 + k_len], value[:, :, k0 : k0 + k_len], scaling
-        )
+        if read_index is None:
+            keys, values = key[:, :, k0 : k0 + k_len], value[:, :, k0 : k0 + k_len]
+        else:
+            rows = read_index[k0 : k0 + k_len]
+            keys, values = (_unpack(states.index_select(0, rows)) for states in (keys_by_token, values_by_token))
+        output[q0 : q0 + q_len] = _one_request(query[:, :, q0 : q0 + q_len], keys, values, scaling)
     return output.unsqueeze(0)
 
 
@@ -180,11 +231,14 @@ def _bucket(members: list[tuple[int, int, int]]) -> DecodeBucket:
     )
 
 
-def _decode_bucket(queries, keys_by_token, values_by_token, bucket: DecodeBucket, scaling) -> torch.Tensor:
-    """One query token per request ([heads, b, D]) over its bucket's padded K/V → [b, heads, D]."""
+def _decode_bucket(queries, keys_by_token, values_by_token, rows, bucket: DecodeBucket, scaling) -> torch.Tensor:
+    """One query token per request ([heads, b, D]) over its bucket's padded K/V → [b, heads, D].
+
+    rows: [b * longest] rows of keys_by_token / values_by_token holding the bucket's K/V, padded.
+    """
     shape = (bucket.batch, bucket.longest, keys_by_token.shape[1], keys_by_token.shape[2])
-    keys = keys_by_token.index_select(0, bucket.index).view(shape).transpose(1, 2)  # [b, kv_heads, L, D]
-    values = values_by_token.index_select(0, bucket.index).view(shape).transpose(1, 2)
+    keys = keys_by_token.index_select(0, rows).view(shape).transpose(1, 2)  # [b, kv_heads, L, D]
+    values = values_by_token.index_select(0, rows).view(shape).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         queries.transpose(0, 1).unsqueeze(2), keys, values, attn_mask=bucket.valid, scale=scaling, enable_gqa=True
     )
@@ -199,6 +253,11 @@ def _by_token(states: torch.Tensor) -> torch.Tensor:
     """
     by_token = states[0].transpose(0, 1)
     return by_token if by_token.is_contiguous() else by_token.contiguous()
+
+
+def _unpack(by_token: torch.Tensor) -> torch.Tensor:
+    """[T, kv_heads, D] → [1, kv_heads, T, D] (a view)."""
+    return by_token.transpose(0, 1).unsqueeze(0)
 
 
 def _one_request(query, key, value, scaling) -> torch.Tensor:

@@ -102,6 +102,27 @@ def test_varlen_attention_equals_transformers_packed_attention(q_lens, k_lens):
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "q_lens, k_lens",
+    [([1, 1, 1, 1], [5, 40, 17, 1]), ([6, 1, 3], [6, 30, 20]), ([1, 5, 1, 1, 0], [700, 5, 3, 650, 0])],
+)
+def test_varlen_attention_reads_the_paged_cache_through_read_index(q_lens, k_lens):
+    """The keys handed over are the whole cache, in the cache's own row order; read_index says which rows."""
+    torch.manual_seed(1)
+    heads, kv_heads, dim, cache_rows = 9, 3, 64, 2048
+    query = torch.randn(1, heads, sum(q_lens), dim)
+    key, value = torch.randn(1, kv_heads, sum(k_lens), dim), torch.randn(1, kv_heads, sum(k_lens), dim)
+    read_index = torch.randperm(cache_rows)[: sum(k_lens)]  # scattered, as pages are
+    k_cache, v_cache = torch.randn(cache_rows, kv_heads, dim), torch.randn(cache_rows, kv_heads, dim)
+    k_cache[read_index], v_cache[read_index] = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()])
+    ours = varlen_attention(
+        query, k_cache.transpose(0, 1).unsqueeze(0), v_cache.transpose(0, 1).unsqueeze(0), cu_q, cu_k, 0.125, read_index
+    )
+    torch.testing.assert_close(ours, _packed_sdpa(query, key, value, q_lens, k_lens), atol=1e-5, rtol=1e-4)
+
+
 def test_length_buckets_split_where_padding_costs_more_than_another_bucket():
     assert length_buckets([10, 12, 14], bucket_cost=64) == [(0, 3)]
     assert length_buckets([10, 12, 800, 810], bucket_cost=64) == [(0, 2), (2, 4)]
