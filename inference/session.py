@@ -308,9 +308,10 @@ def recover_from_ledger(request_id: str, streamed_text: str, next_seq: int) -> l
 def fail_if_worker_lost(request_id: str, prompt_tokens: int, streamed_text: str) -> list[dict]:
     """[] while the request's worker is alive (or unknown); else settle it failed and say so.
 
-    The ledger records the tokens the dead worker reported as streamed (ChannelSender.send_token in inference/bus.py), not
-    what this process happened to receive, and the reservation is released at once instead of
-    after CEILING_RESERVATION_TTL_S. A settle that loses the race to the worker changes nothing.
+    The ledger records the tokens the dead worker reported as streamed (inference/bus.py,
+    ChannelSender.send_token), not what this process happened to receive, and the reservation is
+    released at once instead of after CEILING_RESERVATION_TTL_S. A settle that loses the race to
+    the worker changes nothing.
     """
     from django.db import close_old_connections
 
