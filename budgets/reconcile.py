@@ -60,8 +60,8 @@ def retry_unsettled(now=None) -> int:
     return done
 
 
-def reconcile_forever(stop: threading.Event, every_s: float = 60.0) -> None:
-    """Run in each worker: several workers doing it at once is safe (settling is idempotent)."""
+def reconcile_forever(stop: threading.Event, every_s: float) -> None:
+    """Run in each worker every CEILING_RECONCILE_EVERY_S: several at once is safe (settling is idempotent)."""
     while not stop.wait(every_s):
         try:
             close_old_connections()
