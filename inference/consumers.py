@@ -15,7 +15,7 @@ from contextlib import aclosing
 from channels.generic.websocket import AsyncWebsocketConsumer
 
 from .frames import CancelFrame, ChatFrame, FrameError, parse_frame
-from .session import run_chat
+from .session import TERMINAL, run_chat
 
 
 class ChatConsumer(AsyncWebsocketConsumer):
@@ -50,7 +50,16 @@ class ChatConsumer(AsyncWebsocketConsumer):
         # aclosing: when this task is cancelled mid-send, the session still hears about it and cancels.
         async with aclosing(run_chat(self.user, frame, self.channel_layer)) as events:
             async for event in events:
+                if event["type"] in TERMINAL:
+                    # The answer is over for the client once it reads this frame, and it may send its
+                    # next one at once; the session's clean-up after it (leaving the request's group)
+                    # must not make that next frame "busy".
+                    self._release_socket()
                 await self.send_json(event)
+
+    def _release_socket(self) -> None:
+        if self.generation is asyncio.current_task():
+            self.generation = None
 
     async def _cancel_generation(self) -> None:
         task = getattr(self, "generation", None)

@@ -129,3 +129,25 @@ def test_a_second_chat_while_one_streams_is_told_to_wait(live_stack, alice, chat
     busy = [f for f in frames if f["type"] == "error"]
     assert busy and busy[0]["code"] == "busy"
     assert frames[-1]["type"] == "done" and frames[-1]["request_id"] == first["request_id"]
+
+
+def test_the_next_chat_sent_the_moment_done_arrives_is_served(live_stack, alice, chat_feature):
+    # The session still leaves the request's channel group (a Redis round trip) after `done`; a
+    # client that sends its next frame at once must not be told "busy". The race is narrow (CI met
+    # it once: a loop budget test came up one call short), so several sockets keep daphne busy.
+    cookie = session_cookie(alice)
+
+    async def one_socket():
+        async with chat_socket(live_stack, cookie) as ws:
+            endings = []
+            for _ in range(5):
+                await send(ws, chat_frame("Say yes.", 1))
+                endings.append(await read_until_end(ws))
+            return endings
+
+    async def scenario():
+        return await asyncio.gather(*(one_socket() for _ in range(4)))
+
+    endings = [frames for per_socket in asyncio.run(scenario()) for frames in per_socket]
+    assert [frames[-1]["type"] for frames in endings] == ["done"] * 20
+    assert len({frames[0]["request_id"] for frames in endings}) == 20

@@ -31,7 +31,9 @@ def refusal_after(live_stack, cookie, frames_before: int, frame: dict | None = N
             await send(ws, frame or chat_frame("Say yes.", 2))
             return answered, await next_frame(ws)
 
-    return asyncio.run(scenario())
+    answered, refused = asyncio.run(scenario())
+    assert [frames[-1]["type"] for frames in answered] == ["done"] * frames_before
+    return answered, refused
 
 
 def test_the_daily_request_cap_is_a_sentence_with_numbers(live_stack, alice, chat_feature):
