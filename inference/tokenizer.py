@@ -2,17 +2,45 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from functools import lru_cache
 
 from .engine import encode_chat
 from .modelfiles import model_dir
 
+log = logging.getLogger(__name__)
 
-@lru_cache(maxsize=1)
+_tokenizer = None
+_tokenizer_lock = threading.Lock()
+
+
 def get_tokenizer():
-    from transformers import AutoTokenizer
+    """Loaded once per process; concurrent first callers wait for the one load."""
+    global _tokenizer
+    if _tokenizer is None:
+        with _tokenizer_lock:
+            if _tokenizer is None:
+                from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir()))
+                _tokenizer = AutoTokenizer.from_pretrained(str(model_dir()))
+    return _tokenizer
+
+
+def load_tokenizer_in_background() -> None:
+    """Start loading the tokenizer now, so the web process's first chat does not pay for it.
+
+    Importing transformers and reading the tokenizer costs a web process about 1.5 s of CPU; done
+    by the first request, every chat that arrives meanwhile waits behind it.
+    """
+
+    def load() -> None:
+        try:
+            get_tokenizer()
+        except Exception:  # noqa: BLE001 - the first request loads it again and reports the error
+            log.exception("loading the tokenizer at start failed")
+
+    threading.Thread(target=load, name="tokenizer-load", daemon=True).start()
 
 
 def chat_prompt_ids(messages: list[dict]) -> list[int]:

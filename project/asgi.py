@@ -13,6 +13,7 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 
 from budgets.routing import websocket_urlpatterns as budget_sockets  # noqa: E402
 from inference.routing import websocket_urlpatterns as inference_sockets  # noqa: E402
+from inference.tokenizer import load_tokenizer_in_background  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
@@ -20,3 +21,5 @@ application = ProtocolTypeRouter(
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(inference_sockets + budget_sockets))),
     }
 )
+
+load_tokenizer_in_background()
