@@ -157,6 +157,11 @@ def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transa
         assert figures["output_tokens_per_s"] > 0 and figures["peak_rss_mb"] > 100
     assert set(result["prefix"]) == {"ttft_p50_ms_on", "ttft_p50_ms_off"}
     assert result["roofline_tokens_per_s"] > 0 and result["machine"]["parameters"] > 100_000_000
+    # Measured before and after the modes; the roofline uses the better one.
+    machine = result["machine"]
+    assert len(machine["matmul_gflops_measured"]) == 2 and machine["matmul_gflops"] == max(machine["matmul_gflops_measured"])
+    roofline = machine["matmul_gflops"] * 1e9 / (2 * machine["parameters"])
+    assert abs(result["roofline_tokens_per_s"] - roofline) <= 0.01 * roofline
     details = json.loads(page.with_suffix(".details.json").read_text())
     assert details["extras"]["engine"]["peak_running_batch"] >= 1
     assert len(details["timings"]["stack"]) == 3 and len(details["prefix"]["ttft_ms_on"]) == 3

@@ -92,8 +92,8 @@ class Command(BaseCommand):
         workload = describe(spec, requests, [len(encode_chat(tokenizer, r.messages)) for r in requests])
         threads = options["threads"]
         machine = machine_facts(threads)
-        flops = measured_flops(threads)
-        machine["matmul_gflops"] = round(flops / 1e9, 1)
+        flops_before = measured_flops(threads)
+        machine["matmul_gflops"] = round(flops_before / 1e9, 1)
         machine["parameters"] = parameter_count(folder)
         machine["attention"] = options["attention"]
         machine["max_batch_tokens"] = options["max_batch_tokens"]
@@ -121,6 +121,7 @@ class Command(BaseCommand):
             if mode in results:
                 figures = results[mode]["summary"]
                 self.stdout.write(f"  {figures['output_tokens_per_s']:g} output tokens/s, TTFT p50 {figures['ttft_p50_ms']:g} ms")
+        flops = best_flops(machine, flops_before, measured_flops(threads))
         result = report.result_json(workload, machine, results, prefix, roofline_tokens_per_s(flops, machine["parameters"]))
         details = {
             "extras": {name: r["extra"] for name, r in results.items() if r["extra"]},
@@ -142,6 +143,18 @@ class Command(BaseCommand):
         result = run_stack(requests, threads=threads, engine_env=env, log_dir=Path(settings.VAR_DIR) / "bench",
                            progress=self.stdout.write)
         return asdict(result)
+
+
+def best_flops(machine: dict, before: float, after: float) -> float:
+    """The roofline is a ceiling, so the better of the two measurements (before and after the modes).
+
+    One second of matmuls can land on a slow moment of a shared VM: one run here measured 115
+    GFLOP/s at its start where every measurement around it gave ~200, which would have halved the
+    roofline and passed the 25% target on a wrong number.
+    """
+    machine["matmul_gflops_measured"] = [round(before / 1e9, 1), round(after / 1e9, 1)]
+    machine["matmul_gflops"] = round(max(before, after) / 1e9, 1)
+    return max(before, after)
 
 
 def parameter_count(folder: Path) -> int:
