@@ -164,6 +164,8 @@ def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transa
     assert abs(result["roofline_tokens_per_s"] - roofline) <= 0.01 * roofline
     details = json.loads(page.with_suffix(".details.json").read_text())
     assert details["extras"]["engine"]["peak_running_batch"] >= 1
+    assert 0 < details["extras"]["stack"]["connect_ms_p50"] <= details["extras"]["stack"]["connect_ms_p99"]
+    assert "handshake p50" in printed.getvalue()
     assert len(details["timings"]["stack"]) == 3 and len(details["prefix"]["ttft_ms_on"]) == 3
     report = page.read_text()
     assert report.count('class="plotly-graph-div"') == 3 and report.count("Plotly.newPlot(") == 3

@@ -65,6 +65,10 @@ def table(result: dict, extras: dict[str, dict]) -> str:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(columns))]
     lines = ["  ".join(str(cell).rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
     lines.append(f"roofline (measured matmul FLOP/s ÷ 2 × parameters): {result['roofline_tokens_per_s']:g} tokens/s")
+    if "connect_ms_p50" in extras.get("stack", {}):
+        stack = extras["stack"]
+        lines.append(f"stack: chat sockets opened before the clock started (as the chat page does); "
+                     f"handshake p50 {stack['connect_ms_p50']:g} ms, p99 {stack['connect_ms_p99']:g} ms")
     if result["prefix"]:
         p = result["prefix"]
         lines.append(f"prefix caching: TTFT p50 {p['ttft_p50_ms_on']:g} ms on, {p['ttft_p50_ms_off']:g} ms off")

@@ -23,7 +23,7 @@ from django.conf import settings
 
 from project import stack
 
-from .measure import BenchError, ModeResult, RequestTiming, process_peak_rss_mb, summarise, timing_rows
+from .measure import BenchError, ModeResult, RequestTiming, percentile, process_peak_rss_mb, summarise, timing_rows
 from .modes import batch_figures
 from .workload import MAX_OUTPUT_TOKENS, BenchRequest
 
@@ -38,16 +38,19 @@ def run_stack(requests: list[BenchRequest], *, threads: int, engine_env: dict[st
         url = f"ws://127.0.0.1:{port}/ws/chat/"
         origin = f"http://127.0.0.1:{port}"
         warm_up = RequestTiming(-1, time.perf_counter())
-        asyncio.run(_one_chat(url, origin, cookie, replace(requests[0], output_tokens=2), warm_up))
+        asyncio.run(_warm_up(url, origin, cookie, replace(requests[0], output_tokens=2), warm_up))
         if warm_up.error:
             raise BenchError(f"the stack's warm-up chat failed: {warm_up.error}")
         sampler = WorkerSampler(worker)
         sampler.start()
-        timings = asyncio.run(replay_over_websockets(url, origin, cookie, requests))
+        timings, connect_ms = asyncio.run(replay_over_websockets(url, origin, cookie, requests))
         sampler.stop()
         # daphne + the worker: everything this mode needs beyond the clients.
         peak_rss = sum(process_peak_rss_mb(p.pid) for p in processes)
-    return ModeResult(summarise(timings, peak_rss), extra=sampler.figures(), timings=timing_rows(timings))
+    extra = sampler.figures() | {
+        "connect_ms_p50": round(percentile(connect_ms, 50), 1), "connect_ms_p99": round(percentile(connect_ms, 99), 1),
+    }
+    return ModeResult(summarise(timings, peak_rss), extra=extra, timings=timing_rows(timings))
 
 
 def prepare_bench_user() -> str:
@@ -152,37 +155,67 @@ class WorkerSampler(threading.Thread):
         return batch_figures(self.running, self.kv_blocks, self.kv_blocks_total)
 
 
-async def replay_over_websockets(url: str, origin: str, cookie: str, requests: list[BenchRequest]) -> list[RequestTiming]:
-    start = time.perf_counter()
-    timings = [RequestTiming(r.index, arrival=start + r.arrival_s) for r in requests]
+async def replay_over_websockets(url: str, origin: str, cookie: str,
+                                 requests: list[BenchRequest]) -> tuple[list[RequestTiming], list[float]]:
+    """(timings, each socket's opening handshake in ms).
 
-    async def at_arrival(request: BenchRequest, timing: RequestTiming) -> None:
-        await asyncio.sleep(max(0.0, timing.arrival - time.perf_counter()))
-        await _one_chat(url, origin, cookie, request, timing)
-
-    await asyncio.gather(*(at_arrival(r, t) for r, t in zip(requests, timings, strict=True)))
-    return timings
-
-
-async def _one_chat(url: str, origin: str, cookie: str, request: BenchRequest, timing: RequestTiming) -> None:
+    Every client opens its socket before the clock starts, as the chat page does when it loads, and
+    a request's clock starts when its chat frame is sent (vLLM's TTFT: from the request to its first
+    token). The handshakes (TCP, HTTP upgrade, session and user lookup) are reported on their own.
+    """
     from websockets.asyncio.client import connect
 
-    frame = {"type": "chat", "feature": BENCH_FEATURE, "messages": request.messages, "max_tokens": request.output_tokens}
+    async def open_socket():
+        began = time.perf_counter()
+        ws = await connect(url, origin=origin, additional_headers={"Cookie": f"sessionid={cookie}"},
+                           open_timeout=30, max_size=4 * 1024 * 1024)
+        return ws, (time.perf_counter() - began) * 1000
+
+    opened = await asyncio.gather(*(open_socket() for _ in requests), return_exceptions=True)
+    sockets = [item[0] for item in opened if not isinstance(item, BaseException)]
+    try:
+        failed = [item for item in opened if isinstance(item, BaseException)]
+        if failed:
+            raise BenchError(f"{len(failed)} of {len(requests)} chat sockets did not open: {failed[0]!r}")
+        start = time.perf_counter()
+        timings = [RequestTiming(r.index, arrival=start + r.arrival_s) for r in requests]
+
+        async def at_arrival(ws, request: BenchRequest, timing: RequestTiming) -> None:
+            await asyncio.sleep(max(0.0, timing.arrival - time.perf_counter()))
+            await _one_chat(ws, request, timing)
+
+        await asyncio.gather(*(at_arrival(ws, r, t) for ws, r, t in zip(sockets, requests, timings, strict=True)))
+    finally:
+        await asyncio.gather(*(ws.close() for ws in sockets), return_exceptions=True)
+    return timings, [item[1] for item in opened]
+
+
+async def _warm_up(url: str, origin: str, cookie: str, request: BenchRequest, timing: RequestTiming) -> None:
+    from websockets.asyncio.client import connect
+
     try:
         async with connect(url, origin=origin, additional_headers={"Cookie": f"sessionid={cookie}"},
                            open_timeout=30, max_size=4 * 1024 * 1024) as ws:
-            await ws.send(json.dumps(frame))
-            while True:
-                message = json.loads(await asyncio.wait_for(ws.recv(), timeout=600))
-                now = time.perf_counter()
-                if message["type"] == "token" and timing.first_token is None:
-                    timing.first_token = now
-                elif message["type"] == "done":
-                    timing.finished = now
-                    timing.output_tokens = message["usage"]["completion_tokens"]
-                    return
-                elif message["type"] in ("error", "refused"):
-                    timing.error = f"{message['type']} {message.get('code')}: {message.get('message')}"
-                    return
+            await _one_chat(ws, request, timing)
+    except (OSError, TimeoutError) as exc:
+        timing.error = f"{type(exc).__name__}: {exc}"
+
+
+async def _one_chat(ws, request: BenchRequest, timing: RequestTiming) -> None:
+    frame = {"type": "chat", "feature": BENCH_FEATURE, "messages": request.messages, "max_tokens": request.output_tokens}
+    try:
+        await ws.send(json.dumps(frame))
+        while True:
+            message = json.loads(await asyncio.wait_for(ws.recv(), timeout=600))
+            now = time.perf_counter()
+            if message["type"] == "token" and timing.first_token is None:
+                timing.first_token = now
+            elif message["type"] == "done":
+                timing.finished = now
+                timing.output_tokens = message["usage"]["completion_tokens"]
+                return
+            elif message["type"] in ("error", "refused"):
+                timing.error = f"{message['type']} {message.get('code')}: {message.get('message')}"
+                return
     except (OSError, TimeoutError) as exc:
         timing.error = f"{type(exc).__name__}: {exc}"
