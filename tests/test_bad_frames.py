@@ -133,8 +133,9 @@ def test_a_second_chat_while_one_streams_is_told_to_wait(live_stack, alice, chat
 
 def test_the_next_chat_sent_the_moment_done_arrives_is_served(live_stack, alice, chat_feature):
     # The session still leaves the request's channel group (a Redis round trip) after `done`; a
-    # client that sends its next frame at once must not be told "busy". The race is narrow (CI met
-    # it once: a loop budget test came up one call short), so several sockets keep daphne busy.
+    # client that sends its next frame at once must not be told "busy". The race is narrow (the
+    # likely cause of a CI run where a loop budget test came up one call short; not reproduced on
+    # demand here), so several sockets keep daphne busy to widen it.
     cookie = session_cookie(alice)
 
     async def one_socket():
