@@ -55,6 +55,34 @@ class IncrementalDecoder:
         return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=True) if end > start else ""
 
 
+class FrameBuffer:
+    """Answer text waiting for its frame: the first piece goes at once, then one frame per `interval` tokens.
+
+    With interval 1 every piece goes out as it comes. A longer interval trades smoothness for the
+    CPU each delivered frame costs (SGLang's --stream-interval); TTFT is never delayed.
+    """
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.text = ""
+        self.tokens = 0  # generated since the last frame, including ids the decoder still holds back
+        self.sent_any = False
+
+    def add(self, piece: str, tokens: int) -> str:
+        """What to send now ("" to hold it back for now)."""
+        self.text += piece
+        self.tokens += tokens
+        if not self.text or (self.sent_any and self.tokens < self.interval):
+            return ""
+        return self.take()
+
+    def take(self) -> str:
+        """Everything held back (the end of the answer goes out whatever the interval)."""
+        text, self.text, self.tokens = self.text, "", 0
+        self.sent_any = self.sent_any or bool(text)
+        return text
+
+
 def run_generation(request_id: str) -> None:
     """Generate, settle the ledger, and always settle the guard's reservation (in the finally)."""
     try:
@@ -97,21 +125,27 @@ def _generate(request_id: str) -> None:
 def _stream(engine, handle, log_row: TokenLog, group: str) -> None:
     sender = bus.channel_sender()
     decoder = IncrementalDecoder(engine.tokenizer)
+    frames = FrameBuffer(settings.CEILING_STREAM_INTERVAL)
     deadline = time.monotonic() + settings.CEILING_ENGINE_DEADLINE_S
     ttft_ms = None
     seq = 0
+
+    def send(text: str) -> None:
+        nonlocal seq
+        # Its progress is recorded before it is sent: if this worker dies, the ledger counts every
+        # token a user saw. The hand-over does not wait; _finish's frame goes out after it.
+        token = {"type": "chat.token", "request_id": log_row.request_id, "text": text, "seq": seq}
+        sender.send_token(group, token, log_row.request_id, len(decoder.ids))
+        seq += 1
+
     finish_reason, error = FINISH_ERROR, ""
     try:
         for event in handle.events(timeout=settings.CEILING_ENGINE_FIRST_TOKEN_S):
             if event.new_tokens and ttft_ms is None:
                 ttft_ms = _ms_since(log_row.created_at)
-            piece = decoder.push(event.new_tokens)
-            if piece:
-                # Its progress is recorded before it is sent: if this worker dies, the ledger counts
-                # every token a user saw. The hand-over does not wait; _finish's frame goes out after it.
-                token = {"type": "chat.token", "request_id": log_row.request_id, "text": piece, "seq": seq}
-                sender.send_token(group, token, log_row.request_id, len(decoder.ids))
-                seq += 1
+            text = frames.add(decoder.push(event.new_tokens), len(event.new_tokens))
+            if text:
+                send(text)
             if event.finished:
                 finish_reason, error = event.finish_reason, event.error or ""
                 break
@@ -120,6 +154,9 @@ def _stream(engine, handle, log_row: TokenLog, group: str) -> None:
                 error = f"the answer took longer than {settings.CEILING_ENGINE_DEADLINE_S:.0f} s"
     except EngineError as exc:
         error = str(exc)
+    rest = frames.take()
+    if rest:
+        send(rest)
     if error and finish_reason == FINISH_CANCELLED:
         finish_reason = FINISH_ERROR  # our own deadline cancelled it: that is a failure, not the user's cancel
     _finish(log_row, group, handle.tokens, decoder.text(), finish_reason, ttft_ms, error=error, frames=seq)

@@ -279,6 +279,10 @@ if CEILING_ATTENTION not in ("varlen", "sdpa"):
 CEILING_SKINNY_LINEAR = envbool("CEILING_SKINNY_LINEAR", True)
 # The Celery queue chats are sent to and workers serve (a private one isolates a benchmark's worker).
 CEILING_INFERENCE_QUEUE = envstr("CEILING_INFERENCE_QUEUE", "inference")
+# Tokens per streamed frame after the first (SGLang's --stream-interval): 1 sends every token as it
+# comes; more sends fewer, longer frames, which leaves the engine more CPU where the web tier shares
+# its cores (each delivered frame costs it ~1.3 ms of forward-pass time on 2 cores, docs/benchmarks.md).
+CEILING_STREAM_INTERVAL = envint("CEILING_STREAM_INTERVAL", 1, minimum=1)
 # Benchmarks only: generate exactly max_tokens, ignoring end-of-sequence (manage.py bench's stack mode).
 CEILING_IGNORE_EOS = envbool("CEILING_IGNORE_EOS", False)
 # The weight variant a worker loads at start ("none" = full precision, "int8" = int8 linear layers on

@@ -66,8 +66,13 @@ def stack_log_dir() -> Path:
     return folder
 
 
-def start_stack(redis_client: redis.Redis, name: str, worker_name: str) -> tuple[Stack, list[subprocess.Popen]]:
-    """A daphne and a Celery worker on the test database, started as `make run` starts them."""
+def start_stack(redis_client: redis.Redis, name: str, worker_name: str, queue: str | None = None,
+                **settings_env: str) -> tuple[Stack, list[subprocess.Popen]]:
+    """A daphne and a Celery worker on the test database, started as `make run` starts them.
+
+    With `queue`, the pair has a Celery queue of its own (no other test worker takes its chats), and
+    `settings_env` sets CEILING_* settings for both processes.
+    """
     log_dir = stack_log_dir()
     port = stack.free_port()
     env = stack.child_env(
@@ -79,12 +84,15 @@ def start_stack(redis_client: redis.Redis, name: str, worker_name: str) -> tuple
         CEILING_METRICS_TOKEN="test-metrics-token",
         # Tests drive reconciliation and alert sending by hand; a worker's own sweep would race them.
         CEILING_RECONCILE_EVERY_S="0",
+        **({"CEILING_INFERENCE_QUEUE": queue} if queue else {}),
+        **settings_env,
     )
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
     daphne_log, worker_log = log_dir / f"{name}-daphne.log", log_dir / f"{name}-worker.log"
     workers_before = len(engine_stats(redis_client))
     processes = [
-        subprocess.Popen(stack.worker_argv(WORKER_CONCURRENCY, worker_name), env=env, stdout=worker_log.open("w"), stderr=subprocess.STDOUT),
+        subprocess.Popen(stack.worker_argv(WORKER_CONCURRENCY, worker_name, **({"queues": queue} if queue else {})),
+                         env=env, stdout=worker_log.open("w"), stderr=subprocess.STDOUT),
         subprocess.Popen(stack.daphne_argv("127.0.0.1", port), env=env, stdout=daphne_log.open("w"), stderr=subprocess.STDOUT),
     ]
     try:

@@ -143,7 +143,7 @@ def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transa
     out, page = tmp_path / "bench.json", tmp_path / "report.html"
     printed = io.StringIO()
     call_command(
-        "bench", "--requests", "3", "--shared-fraction", "1", "--max-output-tokens", "6",
+        "bench", "--requests", "3", "--shared-fraction", "1", "--max-output-tokens", "6", "--stream-interval", "2",
         "--json", str(out), "--html", str(page), stdout=printed,
     )
     result = json.loads(out.read_text())
@@ -159,6 +159,7 @@ def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transa
     assert result["roofline_tokens_per_s"] > 0 and result["machine"]["parameters"] > 100_000_000
     # Measured before and after the modes; the roofline uses the better one.
     machine = result["machine"]
+    assert machine["stream_interval"] == 2  # the stack's worker streamed two tokens a frame, same totals
     assert len(machine["matmul_gflops_measured"]) == 2 and machine["matmul_gflops"] == max(machine["matmul_gflops_measured"])
     roofline = machine["matmul_gflops"] * 1e9 / (2 * machine["parameters"])
     assert abs(result["roofline_tokens_per_s"] - roofline) <= 0.01 * roofline
@@ -181,6 +182,7 @@ def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transa
         (["--rate", "0"], "above 0"),
         (["--shared-fraction", "2"], "between 0 and 1"),
         (["--max-output-tokens", "999"], "between 2 and 256"),
+        (["--stream-interval", "0"], "at least 1 token"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(arguments, message, tmp_path):

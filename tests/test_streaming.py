@@ -9,7 +9,7 @@ import pytest
 from channels.layers import get_channel_layer
 
 from inference import bus
-from inference.generation import IncrementalDecoder
+from inference.generation import FrameBuffer, IncrementalDecoder
 from inference.tokenizer import get_tokenizer
 
 TEXTS = [
@@ -46,6 +46,43 @@ def test_special_tokens_add_no_text():
     decoder = IncrementalDecoder(tokenizer)
     assert decoder.push([tokenizer.eos_token_id]) == ""
     assert decoder.push(tokenizer.encode(" ok", add_special_tokens=False)) == " ok"
+
+
+def _frames(text: str, interval: int) -> list[tuple[str, int]]:
+    """(frame text, tokens it covers) as _stream sends them, one token per engine step."""
+    tokenizer = get_tokenizer()
+    decoder, buffer = IncrementalDecoder(tokenizer), FrameBuffer(interval)
+    frames, covered = [], 0
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        covered += 1
+        sent = buffer.add(decoder.push([token]), 1)
+        if sent:
+            frames.append((sent, covered))
+            covered = 0
+    rest = buffer.take()
+    if rest:
+        frames.append((rest, covered))
+    return frames
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_a_stream_interval_of_one_sends_every_piece_as_it_comes(text):
+    tokenizer = get_tokenizer()
+    decoder = IncrementalDecoder(tokenizer)
+    pieces = [decoder.push([token]) for token in tokenizer.encode(text, add_special_tokens=False)]
+    assert [frame for frame, _ in _frames(text, 1)] == [piece for piece in pieces if piece]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("interval", [2, 4])
+def test_a_longer_interval_sends_the_first_piece_at_once_then_every_n_tokens(text, interval):
+    frames = _frames(text, interval)
+    tokenizer = get_tokenizer()
+    assert "".join(frame for frame, _ in frames) == tokenizer.decode(tokenizer.encode(text, add_special_tokens=False))
+    first_piece = _frames(text, 1)[0]
+    assert frames[0] == first_piece  # never later than with interval 1: TTFT does not move
+    assert all(covered >= interval for _, covered in frames[1:-1])  # the last one is whatever is left
+    assert len(frames) <= 2 + sum(covered for _, covered in frames[1:]) // interval
 
 
 async def _listen(group: str) -> str:

@@ -35,6 +35,8 @@ class Command(BaseCommand):
         parser.add_argument("--skinny-linear", action=argparse.BooleanOptionalAction, default=settings.CEILING_SKINNY_LINEAR,
                             help="decode-sized matmuls as W·xᵀ (inference/skinny.py)")
         parser.add_argument("--max-batch-tokens", type=int, default=settings.CEILING_MAX_BATCH_TOKENS)
+        parser.add_argument("--stream-interval", type=int, default=settings.CEILING_STREAM_INTERVAL,
+                            help="the stack's tokens per frame after the first (CEILING_STREAM_INTERVAL)")
         parser.add_argument("--json", type=Path, help="write the result (the agreed JSON shape) here")
         parser.add_argument("--html", type=Path, default=None, help="HTML report (default var/bench/report.html)")
         parser.add_argument("--mode-timeout", type=float, default=1800, help="seconds one mode may take")
@@ -78,6 +80,8 @@ class Command(BaseCommand):
             raise CommandError("--shared-fraction must be between 0 and 1")
         if not 2 <= options["max_output_tokens"] <= 256:
             raise CommandError("--max-output-tokens must be between 2 and 256")
+        if options["stream_interval"] < 1:
+            raise CommandError("--stream-interval must be at least 1 token")
         return WorkloadSpec(requests=requests, seed=options["seed"], shared_fraction=options["shared_fraction"],
                             rate=options["rate"], max_output_tokens=options["max_output_tokens"])
 
@@ -98,6 +102,7 @@ class Command(BaseCommand):
         machine["attention"] = options["attention"]
         machine["max_batch_tokens"] = options["max_batch_tokens"]
         machine["skinny_linear"] = options["skinny_linear"]
+        machine["stream_interval"] = options["stream_interval"]
         self.stdout.write(
             f"workload: {spec.requests} requests, {workload['output_tokens_total']} output tokens "
             f"({workload['arrivals']}); machine: {machine['matmul_gflops']} GFLOP/s on {threads} threads"
@@ -111,7 +116,7 @@ class Command(BaseCommand):
         for mode in modes:
             self.stdout.write(f"running {mode}…")
             if mode == "stack":
-                results[mode] = self._stack(requests, threads, engine_options)
+                results[mode] = self._stack(requests, threads, engine_options, options["stream_interval"])
             elif mode == "prefix":
                 prefix = run_in_child(mode, folder, requests, {"threads": threads}, options["mode_timeout"])
             else:
@@ -130,7 +135,7 @@ class Command(BaseCommand):
         }
         return result, details
 
-    def _stack(self, requests, threads: int, engine_options: dict) -> dict:
+    def _stack(self, requests, threads: int, engine_options: dict, stream_interval: int) -> dict:
         from dataclasses import asdict
 
         from inference.bench.stack import run_stack
@@ -139,6 +144,7 @@ class Command(BaseCommand):
             "CEILING_ATTENTION": engine_options["attention"],
             "CEILING_MAX_BATCH_TOKENS": str(engine_options["max_batch_tokens"]),
             "CEILING_SKINNY_LINEAR": "1" if engine_options["skinny_linear"] else "0",
+            "CEILING_STREAM_INTERVAL": str(stream_interval),
         }
         result = run_stack(requests, threads=threads, engine_env=env, log_dir=Path(settings.VAR_DIR) / "bench",
                            progress=self.stdout.write)
