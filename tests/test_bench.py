@@ -183,11 +183,24 @@ def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transa
         (["--shared-fraction", "2"], "between 0 and 1"),
         (["--max-output-tokens", "999"], "between 2 and 256"),
         (["--stream-interval", "0"], "at least 1 token"),
+        (["--repeat", "0"], "--repeat must be at least 1"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(arguments, message, tmp_path):
     with pytest.raises(CommandError, match=message):
         call_command("bench", *arguments, "--html", str(tmp_path / "r.html"), stdout=io.StringIO())
+
+
+def test_repeated_rounds_report_each_modes_median_run(transactional_db, tmp_path):
+    out, page = tmp_path / "bench.json", tmp_path / "report.html"
+    printed = io.StringIO()
+    call_command("bench", "--requests", "2", "--max-output-tokens", "4", "--modes", "engine", "--repeat", "3",
+                 "--json", str(out), "--html", str(page), stdout=printed)
+    result = json.loads(out.read_text())
+    speeds = json.loads(page.with_suffix(".details.json").read_text())["runs_tokens_per_s"]["engine"]
+    assert len(speeds) == 3 and result["machine"]["repeat"] == 3
+    assert result["modes"]["engine"]["output_tokens_per_s"] == sorted(speeds)[1]
+    assert printed.getvalue().count("running engine (round") == 3 and "engine runs: " in printed.getvalue()
 
 
 def test_a_json_path_in_a_missing_folder_is_refused(tmp_path):

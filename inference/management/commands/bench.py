@@ -40,6 +40,9 @@ class Command(BaseCommand):
         parser.add_argument("--json", type=Path, help="write the result (the agreed JSON shape) here")
         parser.add_argument("--html", type=Path, default=None, help="HTML report (default var/bench/report.html)")
         parser.add_argument("--mode-timeout", type=float, default=1800, help="seconds one mode may take")
+        parser.add_argument("--repeat", type=int, default=1,
+                            help="run the modes this many times in alternating rounds and report each mode's "
+                                 "median run by tokens/s (prefix runs once)")
 
     def handle(self, *args, **options) -> None:
         modes = self._modes(options["modes"])
@@ -56,6 +59,9 @@ class Command(BaseCommand):
         except BenchError as exc:
             raise CommandError(str(exc)) from exc
         self.stdout.write(report.table(result, details["extras"]))
+        if options["repeat"] > 1:
+            for mode, speeds in details["runs_tokens_per_s"].items():
+                self.stdout.write(f"{mode} runs: {', '.join(f'{speed:g}' for speed in speeds)} output tokens/s (median run reported)")
         if options["json"] is not None:
             options["json"].write_text(jsonlib.dumps(result, indent=2))
             self.stdout.write(f"JSON: {options['json']}")
@@ -82,6 +88,8 @@ class Command(BaseCommand):
             raise CommandError("--max-output-tokens must be between 2 and 256")
         if options["stream_interval"] < 1:
             raise CommandError("--stream-interval must be at least 1 token")
+        if options["repeat"] < 1:
+            raise CommandError("--repeat must be at least 1")
         return WorkloadSpec(requests=requests, seed=options["seed"], shared_fraction=options["shared_fraction"],
                             rate=options["rate"], max_output_tokens=options["max_output_tokens"])
 
@@ -103,6 +111,7 @@ class Command(BaseCommand):
         machine["max_batch_tokens"] = options["max_batch_tokens"]
         machine["skinny_linear"] = options["skinny_linear"]
         machine["stream_interval"] = options["stream_interval"]
+        machine["repeat"] = options["repeat"]
         self.stdout.write(
             f"workload: {spec.requests} requests, {workload['output_tokens_total']} output tokens "
             f"({workload['arrivals']}); machine: {machine['matmul_gflops']} GFLOP/s on {threads} threads"
@@ -112,26 +121,33 @@ class Command(BaseCommand):
             "max_batch_tokens": options["max_batch_tokens"],
             "skinny_linear": options["skinny_linear"],
         }
-        results, prefix = {}, None
-        for mode in modes:
-            self.stdout.write(f"running {mode}…")
-            if mode == "stack":
-                results[mode] = self._stack(requests, threads, engine_options, options["stream_interval"])
-            elif mode == "prefix":
-                prefix = run_in_child(mode, folder, requests, {"threads": threads}, options["mode_timeout"])
-            else:
-                results[mode] = run_in_child(
-                    mode, folder, requests, {"threads": threads, "engine_options": engine_options}, options["mode_timeout"]
-                )
-            if mode in results:
-                figures = results[mode]["summary"]
+        # Rounds, not one mode N times in a row: a VM's slow minutes then fall on every mode alike.
+        runs: dict[str, list[dict]] = {}
+        prefix = None
+        for round_number in range(1, options["repeat"] + 1):
+            for mode in modes:
+                if mode == "prefix" and prefix is not None:
+                    continue
+                self.stdout.write(f"running {mode}…" if options["repeat"] == 1 else f"running {mode} (round {round_number})…")
+                if mode == "stack":
+                    runs.setdefault(mode, []).append(self._stack(requests, threads, engine_options, options["stream_interval"]))
+                elif mode == "prefix":
+                    prefix = run_in_child(mode, folder, requests, {"threads": threads}, options["mode_timeout"])
+                    continue
+                else:
+                    runs.setdefault(mode, []).append(run_in_child(
+                        mode, folder, requests, {"threads": threads, "engine_options": engine_options}, options["mode_timeout"]
+                    ))
+                figures = runs[mode][-1]["summary"]
                 self.stdout.write(f"  {figures['output_tokens_per_s']:g} output tokens/s, TTFT p50 {figures['ttft_p50_ms']:g} ms")
+        results = {mode: median_run(mode_runs) for mode, mode_runs in runs.items()}
         flops = best_flops(machine, flops_before, measured_flops(threads))
         result = report.result_json(workload, machine, results, prefix, roofline_tokens_per_s(flops, machine["parameters"]))
         details = {
             "extras": {name: r["extra"] for name, r in results.items() if r["extra"]},
             "timings": {name: r["timings"] for name, r in results.items()},
             "prefix": prefix,
+            "runs_tokens_per_s": {mode: [r["summary"]["output_tokens_per_s"] for r in mode_runs] for mode, mode_runs in runs.items()},
         }
         return result, details
 
@@ -149,6 +165,13 @@ class Command(BaseCommand):
         result = run_stack(requests, threads=threads, engine_env=env, log_dir=Path(settings.VAR_DIR) / "bench",
                            progress=self.stdout.write)
         return asdict(result)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median output tokens/s (the upper one of an even count): a real run, so
+    its latencies and throughput belong together."""
+    ordered = sorted(runs, key=lambda run: run["summary"]["output_tokens_per_s"])
+    return ordered[len(ordered) // 2]
 
 
 def best_flops(machine: dict, before: float, after: float) -> float:
