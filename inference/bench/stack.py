@@ -163,12 +163,9 @@ async def replay_over_websockets(url: str, origin: str, cookie: str,
     a request's clock starts when its chat frame is sent (vLLM's TTFT: from the request to its first
     token). The handshakes (TCP, HTTP upgrade, session and user lookup) are reported on their own.
     """
-    from websockets.asyncio.client import connect
-
     async def open_socket():
         began = time.perf_counter()
-        ws = await connect(url, origin=origin, additional_headers={"Cookie": f"sessionid={cookie}"},
-                           open_timeout=30, max_size=4 * 1024 * 1024)
+        ws = await _connect(url, origin, cookie)
         return ws, (time.perf_counter() - began) * 1000
 
     opened = await asyncio.gather(*(open_socket() for _ in requests), return_exceptions=True)
@@ -190,12 +187,17 @@ async def replay_over_websockets(url: str, origin: str, cookie: str,
     return timings, [item[1] for item in opened]
 
 
-async def _warm_up(url: str, origin: str, cookie: str, request: BenchRequest, timing: RequestTiming) -> None:
+def _connect(url: str, origin: str, cookie: str):
+    """A chat socket as the bench user's browser opens one (await it, or use it with `async with`)."""
     from websockets.asyncio.client import connect
 
+    return connect(url, origin=origin, additional_headers={"Cookie": f"sessionid={cookie}"},
+                   open_timeout=30, max_size=4 * 1024 * 1024)
+
+
+async def _warm_up(url: str, origin: str, cookie: str, request: BenchRequest, timing: RequestTiming) -> None:
     try:
-        async with connect(url, origin=origin, additional_headers={"Cookie": f"sessionid={cookie}"},
-                           open_timeout=30, max_size=4 * 1024 * 1024) as ws:
+        async with _connect(url, origin, cookie) as ws:
             await _one_chat(ws, request, timing)
     except (OSError, TimeoutError) as exc:
         timing.error = f"{type(exc).__name__}: {exc}"

@@ -105,7 +105,6 @@ class Command(BaseCommand):
         threads = options["threads"]
         machine = machine_facts(threads)
         flops_before = measured_flops(threads)
-        machine["matmul_gflops"] = round(flops_before / 1e9, 1)
         machine["parameters"] = parameter_count(folder)
         machine["attention"] = options["attention"]
         machine["max_batch_tokens"] = options["max_batch_tokens"]
@@ -114,7 +113,7 @@ class Command(BaseCommand):
         machine["repeat"] = options["repeat"]
         self.stdout.write(
             f"workload: {spec.requests} requests, {workload['output_tokens_total']} output tokens "
-            f"({workload['arrivals']}); machine: {machine['matmul_gflops']} GFLOP/s on {threads} threads"
+            f"({workload['arrivals']}); machine: {flops_before / 1e9:.1f} GFLOP/s on {threads} threads"
         )
         engine_options = {
             "attention": options["attention"],
@@ -126,19 +125,20 @@ class Command(BaseCommand):
         prefix = None
         for round_number in range(1, options["repeat"] + 1):
             for mode in modes:
-                if mode == "prefix" and prefix is not None:
+                if mode == "prefix" and round_number > 1:
                     continue
                 self.stdout.write(f"running {mode}…" if options["repeat"] == 1 else f"running {mode} (round {round_number})…")
-                if mode == "stack":
-                    runs.setdefault(mode, []).append(self._stack(requests, threads, engine_options, options["stream_interval"]))
-                elif mode == "prefix":
+                if mode == "prefix":
                     prefix = run_in_child(mode, folder, requests, {"threads": threads}, options["mode_timeout"])
                     continue
+                if mode == "stack":
+                    run = self._stack(requests, threads, engine_options, options["stream_interval"])
                 else:
-                    runs.setdefault(mode, []).append(run_in_child(
+                    run = run_in_child(
                         mode, folder, requests, {"threads": threads, "engine_options": engine_options}, options["mode_timeout"]
-                    ))
-                figures = runs[mode][-1]["summary"]
+                    )
+                runs.setdefault(mode, []).append(run)
+                figures = run["summary"]
                 self.stdout.write(f"  {figures['output_tokens_per_s']:g} output tokens/s, TTFT p50 {figures['ttft_p50_ms']:g} ms")
         results = {mode: median_run(mode_runs) for mode, mode_runs in runs.items()}
         flops = best_flops(machine, flops_before, measured_flops(threads))
