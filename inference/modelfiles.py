@@ -6,11 +6,14 @@ loads in ≈2 s. Nothing is ever fetched from a model hub.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from django.conf import settings
@@ -63,12 +66,39 @@ def model_dir(progress=print) -> Path:
         return folder
     folder = converted_dir()
     if not is_complete(folder):
-        convert_bundled_gguf(folder, progress)
+        with conversion_lock(folder, progress):
+            # Another process (daphne, a worker, a second worker) may have converted it while we waited.
+            if not is_complete(folder):
+                convert_bundled_gguf(folder, progress)
     return folder
 
 
+@contextmanager
+def conversion_lock(target: Path, progress=print) -> Iterator[None]:
+    """One conversion per machine at a time: every process that starts on a fresh checkout wants the model.
+
+    Without it, daphne (which loads the tokenizer at start) and each worker each converted the GGUF
+    at once, doubling the CPU and memory a first start needs, and the last to finish deleted the
+    folder the first was already loading from.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"Waiting for another process converting the model into {target}…")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def convert_bundled_gguf(target: Path, progress=print) -> None:
-    """GGUF → fp32 safetensors. Written to a temporary folder and renamed, so a crash leaves no half model."""
+    """GGUF → fp32 safetensors. Written to a temporary folder and renamed, so a crash leaves no half model.
+
+    Call it under conversion_lock: the rename replaces whatever incomplete folder is at `target`.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = bundled_gguf_path()

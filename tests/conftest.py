@@ -18,6 +18,7 @@ import pytest
 import redis
 from django.conf import settings
 
+from inference.modelfiles import model_dir
 from project import stack
 
 LOG_DIR = Path(settings.BASE_DIR) / "var" / "test-logs"
@@ -88,6 +89,9 @@ def start_stack(redis_client: redis.Redis, name: str, worker_name: str, queue: s
         **settings_env,
     )
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+    # As `make run` does: convert the model before the processes start (a fresh checkout has none),
+    # so the waits below time the start and not a one-off conversion.
+    model_dir()
     daphne_log, worker_log = log_dir / f"{name}-daphne.log", log_dir / f"{name}-worker.log"
     workers_before = len(engine_stats(redis_client))
     processes = [

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 
 import pytest
+from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.management import call_command
 
 from budgets.models import Feature
-from inference.modelfiles import bundled_gguf_path, is_complete, model_dir
+from inference.modelfiles import CONVERTED_NAME, bundled_gguf_path, conversion_lock, is_complete, model_dir
 from project import stack
 
 
@@ -55,3 +58,28 @@ def test_the_converted_model_is_a_plain_safetensors_folder():
     folder = model_dir()
     assert is_complete(folder)
     assert "quantization_config" not in (folder / "config.json").read_text()
+
+
+def test_a_process_that_finds_a_conversion_under_way_waits_for_it_and_converts_nothing(tmp_path):
+    # On a fresh checkout daphne and every worker want the model at once; only one may convert it.
+    target = tmp_path / "models" / CONVERTED_NAME
+    waiting_line = ""
+    with conversion_lock(target):
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import django; django.setup(); from inference.modelfiles import model_dir; "
+             "print('using', model_dir(), flush=True)"],
+            cwd=settings.BASE_DIR,
+            env=stack.child_env(CEILING_VAR_DIR=str(tmp_path), DJANGO_SETTINGS_MODULE="project.settings"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        waiting_line = child.stdout.readline()
+        # Play the converting process: the finished folder appears before the lock is let go.
+        target.mkdir()
+        for file in model_dir().iterdir():
+            (target / file.name).symlink_to(file)
+    rest, _ = child.communicate(timeout=120)
+
+    assert waiting_line.startswith("Waiting for another process converting the model"), waiting_line
+    assert child.returncode == 0, rest
+    assert "Converting" not in rest
+    assert rest.strip() == f"using {target}"
