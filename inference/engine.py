@@ -29,7 +29,7 @@ import torch
 
 from . import attention
 from .quantization import quantize_model, weights_memory_bytes
-from .skinny import use_skinny_linears
+from .skinny import describe, measure_row_buckets, plain_linears, use_skinny_linears
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class EngineConfig:
     # "varlen": our per-request attention for CPU steps (inference/attention.py); "sdpa": transformers'
     # packed attention, which costs B × (all tokens of the batch) per step.
     attention: str = "varlen"
-    # CPU decode steps' linear layers as W·xᵀ (inference/skinny.py).
+    # CPU decode steps' linear layers as W·xᵀ where that measures faster at load (inference/skinny.py).
     skinny_linear: bool = True
     # "none" or "int8" (inference/quantization.py): how the weights are stored once loaded.
     quantization: str = "none"
@@ -151,6 +151,32 @@ class RequestHandle:
         return StreamEvent(new, finished=True, finish_reason=reason)
 
 
+def in_a_passing_thread(work):
+    """Run parallel torch work in a thread that ends with it, and return its result.
+
+    Each thread that runs an OpenMP region keeps its own team of OpenMP threads for as long as it
+    lives. Once a process holds more OpenMP threads than cores, libgomp stops spinning at barriers
+    (its throttled spin count) and every parallel region of the engine's generation thread, hundreds
+    per step, waits on a futex wake instead: one 512×512 matmul in the main thread before the
+    engine started took the bench's engine mode from 147 to 102 tokens/s. A thread that exits takes
+    its team with it.
+    """
+    results, errors = [], []
+
+    def run() -> None:
+        try:
+            results.append(work())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="engine-load-work")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return results[0]
+
+
 class Engine:
     """Loads the model once and serves many concurrent streaming requests from it."""
 
@@ -170,17 +196,28 @@ class Engine:
         self._restarts = 0
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self.weights_bytes = 0
+        self.skinny_buckets: list[int] = []  # decode row buckets computed as W·xᵀ (inference/skinny.py)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     def load(self, progress=print) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         torch.set_num_threads(self.config.torch_threads)
         started = time.monotonic()
         progress(f"Loading tokenizer from {self.config.model_dir}…")
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.config.model_dir))
         progress(f"Loading model weights ({self.config.device})…")
+        # The caller's thread (a worker's main thread) lives on: its torch work must not.
+        in_a_passing_thread(lambda: self._load_model(progress))
+        progress(
+            f"Model loaded in {time.monotonic() - started:.1f} s "
+            f"({self.config.quantization}, weights {self.weights_bytes / 2**20:.0f} MiB)"
+        )
+
+    def _load_model(self, progress) -> None:
+        from transformers import AutoModelForCausalLM
+
         dtype = torch.bfloat16 if self.config.device.startswith("cuda") else torch.float32
         model = AutoModelForCausalLM.from_pretrained(
             str(self.config.model_dir), dtype=dtype, attn_implementation="sdpa"
@@ -192,11 +229,9 @@ class Engine:
         if self.config.attention == "varlen" and on_cpu:
             attention.enable(self.model)
         if self.config.skinny_linear and on_cpu:
-            use_skinny_linears(self.model)
-        progress(
-            f"Model loaded in {time.monotonic() - started:.1f} s "
-            f"({self.config.quantization}, weights {self.weights_bytes / 2**20:.0f} MiB)"
-        )
+            timings = measure_row_buckets(plain_linears(self.model))
+            self.skinny_buckets = use_skinny_linears(self.model, [t.rows for t in timings if t.skinny_wins])
+            progress(f"Decode linears, F.linear vs W·xᵀ per pass over the weights: {describe(timings)}")
 
     def start(self) -> None:
         if self.model is None:

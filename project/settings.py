@@ -274,8 +274,9 @@ CEILING_PREFIX_SHARING = envbool("CEILING_PREFIX_SHARING", True)
 CEILING_ATTENTION = envstr("CEILING_ATTENTION", "varlen")
 if CEILING_ATTENTION not in ("varlen", "sdpa"):
     raise ImproperlyConfigured(f"CEILING_ATTENTION must be varlen or sdpa, not {CEILING_ATTENTION!r}")
-# Decode-sized matmuls as W·xᵀ (inference/skinny.py): 2× faster weight streaming for 2-8 rows with MKL
-# on AMD CPUs; turn off to compare, or on a CPU where MKL's own x·Wᵀ kernel is as fast.
+# Decode-sized matmuls as W·xᵀ (inference/skinny.py) for the row counts where that measures faster when
+# the engine loads (2× the weight streaming for 2-8 rows on AMD EPYC; slower on AVX-512 Xeons, so unused
+# there); off skips the measurement and keeps F.linear everywhere.
 CEILING_SKINNY_LINEAR = envbool("CEILING_SKINNY_LINEAR", True)
 # The Celery queue chats are sent to and workers serve (a private one isolates a benchmark's worker).
 CEILING_INFERENCE_QUEUE = envstr("CEILING_INFERENCE_QUEUE", "inference")

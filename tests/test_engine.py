@@ -145,3 +145,42 @@ def test_stats_report_batch_cache_and_throughput(engine):
     assert after.tokens_generated >= during.tokens_generated + 1
     assert after.tokens_per_s > 0
     assert after.requests_finished >= 1
+
+
+PASSING_THREAD_SCRIPT = """
+import os, torch
+from inference.engine import in_a_passing_thread
+torch.set_num_threads(2)
+threads = lambda: len(os.listdir("/proc/self/task"))
+product = lambda: (torch.ones(512, 512) @ torch.ones(512, 512))[0, 0].item()
+before = threads()
+assert in_a_passing_thread(product) == 512.0
+after_passing = threads()
+product()
+print(before, after_passing, threads())
+"""
+
+
+def test_load_time_torch_work_leaves_no_openmp_team_behind():
+    # A thread that ran a parallel region keeps its OpenMP team while it lives; more OpenMP threads
+    # than cores make libgomp stop spinning at barriers, and the engine lost a third of its speed.
+    import subprocess
+    import sys
+
+    from django.conf import settings
+
+    result = subprocess.run([sys.executable, "-c", PASSING_THREAD_SCRIPT], cwd=settings.BASE_DIR,
+                            capture_output=True, text=True, timeout=120, check=True)
+    before, after_passing, after_main = map(int, result.stdout.split())
+    assert after_passing == before
+    assert after_main == before + 1, "the same product in the main thread does leave its team"
+
+
+def test_an_error_in_the_passing_thread_reaches_the_caller():
+    from inference.engine import in_a_passing_thread
+
+    def fail():
+        raise ValueError("no such weights")
+
+    with pytest.raises(ValueError, match="no such weights"):
+        in_a_passing_thread(fail)

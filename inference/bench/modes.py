@@ -180,7 +180,8 @@ def run_engine(model_dir: Path, requests: list[BenchRequest], threads: int = 2, 
         sampler.stop()
     finally:
         engine.stop()
-    return ModeResult(summarise(timings, own_peak_rss_mb()), extra=sampler.figures(), timings=timing_rows(timings))
+    extra = sampler.figures() | {"skinny_buckets": engine.skinny_buckets}
+    return ModeResult(summarise(timings, own_peak_rss_mb()), extra=extra, timings=timing_rows(timings))
 
 
 def replay_on_engine(engine, requests: list[BenchRequest], prompts: list[list[int]]) -> list[RequestTiming]:
