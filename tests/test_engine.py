@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import uuid
 
 import pytest
 import torch
+from django.conf import settings
 
 from budgets.models import TokenLog
 from inference.actions import do_admit_request
-from inference.engine import Engine, EngineConfig, EngineError
+from inference.engine import Engine, EngineConfig, EngineError, in_a_passing_thread
 from inference.modelfiles import model_dir
 from inference.tasks import generate
 from tests.conftest import wait_for
@@ -164,11 +167,6 @@ print(before, after_passing, threads())
 def test_load_time_torch_work_leaves_no_openmp_team_behind():
     # A thread that ran a parallel region keeps its OpenMP team while it lives; more OpenMP threads
     # than cores make libgomp stop spinning at barriers, and the engine lost a third of its speed.
-    import subprocess
-    import sys
-
-    from django.conf import settings
-
     result = subprocess.run([sys.executable, "-c", PASSING_THREAD_SCRIPT], cwd=settings.BASE_DIR,
                             capture_output=True, text=True, timeout=120, check=True)
     before, after_passing, after_main = map(int, result.stdout.split())
@@ -177,8 +175,6 @@ def test_load_time_torch_work_leaves_no_openmp_team_behind():
 
 
 def test_an_error_in_the_passing_thread_reaches_the_caller():
-    from inference.engine import in_a_passing_thread
-
     def fail():
         raise ValueError("no such weights")
 
