@@ -14,11 +14,16 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from budgets.routing import websocket_urlpatterns as budget_sockets  # noqa: E402
 from inference.routing import websocket_urlpatterns as inference_sockets  # noqa: E402
 from inference.tokenizer import load_tokenizer_in_background  # noqa: E402
+from project.origins import SameOriginValidator  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(inference_sockets + budget_sockets))),
+        # The Origin's host must be allowed (Channels) and be exactly the address connected to, port
+        # included (project/origins.py): cookies reach every port of a host, origins do not.
+        "websocket": AllowedHostsOriginValidator(
+            SameOriginValidator(AuthMiddlewareStack(URLRouter(inference_sockets + budget_sockets)))
+        ),
     }
 )
 

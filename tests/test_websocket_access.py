@@ -81,6 +81,13 @@ def test_the_chat_socket_refuses_origins_that_only_look_like_ours(live_stack, al
     assert _handshake_status(live_stack, session_cookie(alice), origin=origin) == 403
 
 
+def test_a_page_on_another_port_of_our_host_gets_no_socket(live_stack, alice, staff):
+    # Cookies are sent to every port of a host; the Origin's port is what tells the pages apart.
+    for origin in (f"http://{live_stack.host}:{live_stack.port + 1}", f"http://{live_stack.host}"):
+        assert _handshake_status(live_stack, session_cookie(alice), origin=origin) == 403
+        assert _dashboard_status(live_stack, session_cookie(staff), origin) == 403
+
+
 def test_a_message_over_daphnes_limit_closes_the_socket_and_daphne_carries_on(live_stack, alice, chat_feature):
     from websockets.exceptions import ConnectionClosed
 
