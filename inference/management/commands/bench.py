@@ -33,7 +33,7 @@ class Command(BaseCommand):
         parser.add_argument("--threads", type=int, default=settings.CEILING_TORCH_THREADS)
         parser.add_argument("--attention", choices=("varlen", "sdpa"), default=settings.CEILING_ATTENTION)
         parser.add_argument("--skinny-linear", action=argparse.BooleanOptionalAction, default=settings.CEILING_SKINNY_LINEAR,
-                            help="decode-sized matmuls as W·xᵀ (inference/skinny.py)")
+                            help="decode-sized matmuls as W·xᵀ where the engine measures that faster when it loads (inference/skinny.py)")
         parser.add_argument("--max-batch-tokens", type=int, default=settings.CEILING_MAX_BATCH_TOKENS)
         parser.add_argument("--stream-interval", type=int, default=settings.CEILING_STREAM_INTERVAL,
                             help="the stack's tokens per frame after the first (CEILING_STREAM_INTERVAL)")
