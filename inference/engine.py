@@ -22,6 +22,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -159,22 +160,10 @@ def in_a_passing_thread(work):
     (its throttled spin count) and every parallel region of the engine's generation thread, hundreds
     per step, waits on a futex wake instead: one 512×512 matmul in the main thread before the
     engine started took the bench's engine mode from 147 to 102 tokens/s. A thread that exits takes
-    its team with it.
+    its team with it (leaving the `with` joins the executor's one thread; its error is re-raised here).
     """
-    results, errors = [], []
-
-    def run() -> None:
-        try:
-            results.append(work())
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, name="engine-load-work")
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return results[0]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-load-work") as executor:
+        return executor.submit(work).result()
 
 
 class Engine:

@@ -6,7 +6,8 @@ port of the same host (another app, a dev server, anything a user can be lured t
 chat or dashboard socket as the logged-in user. A handshake is accepted here only when its Origin
 is the address the browser connected to (scheme's default port filled in, compared with the Host
 header, as Django's CsrfViewMiddleware does for POSTs) or is listed in CSRF_TRUSTED_ORIGINS (the
-same escape hatch Django offers behind a proxy that rewrites Host).
+same escape hatch Django offers behind a proxy that rewrites Host). It runs inside Channels'
+AllowedHostsOriginValidator (project/asgi.py), so a trusted origin's host must be in ALLOWED_HOSTS too.
 """
 
 from __future__ import annotations
