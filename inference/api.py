@@ -19,7 +19,6 @@ from functools import wraps
 from typing import Any
 
 from channels.db import database_sync_to_async
-from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
@@ -233,7 +232,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     except FrameError as exc:
         return invalid_request(exc)
     stream = chat.stream and not await is_extract(chat.frame.feature)
-    events = run_chat(request.api_key.user, chat.frame, get_channel_layer())
+    events = run_chat(request.api_key.user, chat.frame)
     first = await anext(events, INTERNAL_ERROR)
     if first["type"] != "accepted":
         await events.aclose()

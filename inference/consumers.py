@@ -48,11 +48,11 @@ class ChatConsumer(AsyncWebsocketConsumer):
 
     async def _chat(self, frame: ChatFrame) -> None:
         # aclosing: when this task is cancelled mid-send, the session still hears about it and cancels.
-        async with aclosing(run_chat(self.user, frame, self.channel_layer)) as events:
+        async with aclosing(run_chat(self.user, frame)) as events:
             async for event in events:
                 if event["type"] in TERMINAL:
                     # The answer is over for the client once it reads this frame, and it may send its
-                    # next one at once; the session's clean-up after it (leaving the request's group)
+                    # next one at once; the session's clean-up after it (closing the request's queue)
                     # must not make that next frame "busy".
                     self._release_socket()
                 await self.send_json(event)

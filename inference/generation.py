@@ -1,7 +1,8 @@
-"""Run one admitted request through the engine and stream it to its channel-layer group.
+"""Run one admitted request through the engine and stream it to the web process that waits for it.
 
-Called by the Celery task with a request id. The ledger is settled here, before the final frame
-is sent, so it never depends on the channel layer (which is at-most-once). A request whose
+Called by the Celery task with a request id and the waiting process's inbox (inference/bus.py).
+The ledger is settled here, before the final frame is sent, so it never depends on the stream
+(which is at-most-once). A request whose
 provider is a remote OpenAI-compatible server streams from it instead (inference/remote.py) and
 ends through the same _finish, with the token counts the remote reported.
 """
@@ -83,31 +84,34 @@ class FrameBuffer:
         return text
 
 
-def run_generation(request_id: str) -> None:
-    """Generate, settle the ledger, and always settle the guard's reservation (in the finally)."""
+def run_generation(request_id: str, reply_to: str = "") -> None:
+    """Generate, settle the ledger, and always settle the guard's reservation (in the finally).
+
+    reply_to is the inbox of the web process waiting for the frames (bus.StreamInbox); "" when
+    nobody waits (batch jobs, refinement loops): the answer goes only to the ledger.
+    """
     try:
-        _generate(request_id)
+        _generate(request_id, reply_to)
     finally:
         settle_reservation(request_id)
 
 
-def _generate(request_id: str) -> None:
+def _generate(request_id: str, reply_to: str) -> None:
     log_row = TokenLog.objects.select_related("transcript", "provider", "feature").filter(request_id=request_id).first()
     if log_row is None:
         log.warning("generate: unknown request %s", request_id)
         return
     if log_row.status != TokenLog.Status.RUNNING:
         return  # settled already: a redelivered task changes nothing
-    group = bus.request_group(request_id)
     if bus.is_cancel_requested(request_id):
-        _finish(log_row, group, [], "", FINISH_CANCELLED, None)
+        _finish(log_row, reply_to, [], "", FINISH_CANCELLED, None)
         return
     # From here on, a web process that hears nothing can check whether this worker is still alive.
     bus.claim_request(request_id, settings.CEILING_RESERVATION_TTL_S)
     # Everything below reads the row and its select_related parts only; _finish checks a connection out again.
     release_database_connection()
     if log_row.provider is not None and log_row.provider.kind == Provider.Kind.OPENAI_COMPATIBLE:
-        _generate_remote(log_row, group)
+        _generate_remote(log_row, reply_to)
         return
     prompt_ids = log_row.transcript.prompt_ids
     try:
@@ -115,14 +119,14 @@ def _generate(request_id: str) -> None:
         engine = get_engine(log_row.feature.quantization if log_row.feature else None)
         handle = engine.submit(request_id, prompt_ids, log_row.max_tokens, ignore_eos=settings.CEILING_IGNORE_EOS)
     except EngineError as exc:
-        _finish(log_row, group, [], "", FINISH_ERROR, None, error=str(exc))
+        _finish(log_row, reply_to, [], "", FINISH_ERROR, None, error=str(exc))
         return
     if bus.is_cancel_requested(request_id):  # the cancel may have landed between the check and submit
         engine.cancel(request_id)
-    _stream(engine, handle, log_row, group)
+    _stream(engine, handle, log_row, reply_to)
 
 
-def _stream(engine, handle, log_row: TokenLog, group: str) -> None:
+def _stream(engine, handle, log_row: TokenLog, reply_to: str) -> None:
     sender = bus.channel_sender()
     decoder = IncrementalDecoder(engine.tokenizer)
     frames = FrameBuffer(settings.CEILING_STREAM_INTERVAL)
@@ -135,7 +139,7 @@ def _stream(engine, handle, log_row: TokenLog, group: str) -> None:
         # Its progress is recorded before it is sent: if this worker dies, the ledger counts every
         # token a user saw. The hand-over does not wait; _finish's frame goes out after it.
         token = {"type": "chat.token", "request_id": log_row.request_id, "text": text, "seq": seq}
-        sender.send_token(group, token, log_row.request_id, len(decoder.ids))
+        sender.send_frame(reply_to, log_row.request_id, token, tokens_streamed=len(decoder.ids))
         seq += 1
 
     finish_reason, error = FINISH_ERROR, ""
@@ -159,17 +163,17 @@ def _stream(engine, handle, log_row: TokenLog, group: str) -> None:
         send(rest)
     if error and finish_reason == FINISH_CANCELLED:
         finish_reason = FINISH_ERROR  # our own deadline cancelled it: that is a failure, not the user's cancel
-    _finish(log_row, group, handle.tokens, decoder.text(), finish_reason, ttft_ms, error=error, frames=seq)
+    _finish(log_row, reply_to, handle.tokens, decoder.text(), finish_reason, ttft_ms, error=error, frames=seq)
 
 
-def _generate_remote(log_row: TokenLog, group: str) -> None:
+def _generate_remote(log_row: TokenLog, reply_to: str) -> None:
     """Stream from the provider's server; the remote's own token counts go to the ledger."""
     try:
         stream = remote.open_stream(
             log_row.request_id, log_row.provider, log_row.model, log_row.transcript.messages, log_row.max_tokens
         )
     except remote.RemoteConfigError as exc:
-        _finish(log_row, group, [], "", FINISH_ERROR, None, error=str(exc), completion_tokens=0)
+        _finish(log_row, reply_to, [], "", FINISH_ERROR, None, error=str(exc), completion_tokens=0)
         return
     try:
         stream.start(read_timeout_s=settings.CEILING_ENGINE_DEADLINE_S)
@@ -182,7 +186,8 @@ def _generate_remote(log_row: TokenLog, group: str) -> None:
                 if ttft_ms is None:
                     ttft_ms = _ms_since(log_row.created_at)
                 token = {"type": "chat.token", "request_id": log_row.request_id, "text": event.text, "seq": seq}
-                sender.send_token(group, token, log_row.request_id, seq + 1)  # the remote's own count comes at the end
+                # The remote's own count comes at the end.
+                sender.send_frame(reply_to, log_row.request_id, token, tokens_streamed=seq + 1)
                 seq += 1
             if event.finished:
                 finish_reason, error = event.finish_reason, event.error or ""
@@ -192,7 +197,7 @@ def _generate_remote(log_row: TokenLog, group: str) -> None:
     # Tokenizers differ: the guard admitted on our count of the prompt; the ledger keeps the remote's.
     _finish(
         log_row,
-        group,
+        reply_to,
         [],
         stream.text,
         finish_reason,
@@ -206,7 +211,7 @@ def _generate_remote(log_row: TokenLog, group: str) -> None:
 
 def _finish(
     log_row: TokenLog,
-    group: str,
+    reply_to: str,
     completion_ids: list[int],
     text: str,
     finish_reason: str,
@@ -251,11 +256,11 @@ def _finish(
             "ttft_ms": settled.ttft_ms,
             "total_ms": settled.total_ms,
             "finish_reason": settled.finish_reason,
-            # How many token frames were sent: a client that got fewer lost some (the channel layer
+            # How many token frames were sent: a client that got fewer lost some (the stream
             # is at-most-once) and fetches the stored transcript instead.
             "frames": frames,
         }
-    sender.group_send(group, message)
+    sender.send_frame(reply_to, settled.request_id, message, wait=True)
 
 
 # How long the end of a stream waits for a database that went away: a short outage must not leave

@@ -1,6 +1,6 @@
 """One chat request from a validated frame to its last event, shared by the websocket and the HTTP API.
 
-    async with aclosing(run_chat(user, frame, channel_layer)) as events:
+    async with aclosing(run_chat(user, frame)) as events:
         async for event in events:      # wire-protocol events (README, "Wire protocol")
             ...
 
@@ -10,8 +10,9 @@ yielded. Whoever stops iterating early (a closed socket, a dropped HTTP stream, 
 cancels the generation: the generator's `finally` tells the worker to stop, and the request is
 settled at the tokens actually generated.
 
-Tokens come back from the worker through the channel-layer group "req.<request_id>". Each request
-gets a fresh channel of its own, so it needs no consumer around it.
+Frames come back from the worker through this process's stream inbox (inference/bus.py): the
+dispatch names it, and the request opens its own queue there before it is dispatched, so it needs
+no consumer around it.
 
 The feature's mode (inference/modes.py) shapes the events: an `extract` feature asks the model for
 JSON and yields no tokens, only a `done` with the parsed `result` (or an `invalid_json` error); a
@@ -31,7 +32,6 @@ from functools import partial
 
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
-from channels.layers import BaseChannelLayer
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import DatabaseError
@@ -58,11 +58,11 @@ DATABASE_UNAVAILABLE = {
 _abandoned: set[asyncio.Task] = set()
 
 
-async def run_chat(user: AbstractBaseUser, frame: ChatFrame, channel_layer: BaseChannelLayer) -> AsyncIterator[dict]:
+async def run_chat(user: AbstractBaseUser, frame: ChatFrame) -> AsyncIterator[dict]:
     """Admit one chat request and yield its events; an unexpected failure ends with an `internal` error."""
     request_id = uuid.uuid4().hex
     try:
-        async with aclosing(_admit_and_stream(request_id, user, frame, channel_layer)) as events:
+        async with aclosing(_admit_and_stream(request_id, user, frame)) as events:
             async for event in events:
                 yield event
     except DatabaseError as exc:
@@ -75,9 +75,7 @@ async def run_chat(user: AbstractBaseUser, frame: ChatFrame, channel_layer: Base
         yield dict(INTERNAL_ERROR)
 
 
-async def _admit_and_stream(
-    request_id: str, user: AbstractBaseUser, frame: ChatFrame, layer: BaseChannelLayer
-) -> AsyncIterator[dict]:
+async def _admit_and_stream(request_id: str, user: AbstractBaseUser, frame: ChatFrame) -> AsyncIterator[dict]:
     feature = await get_feature(frame.feature)
     if feature is None:
         yield {"type": "error", "code": "unknown_feature", "message": f"There is no feature named {frame.feature!r}."}
@@ -87,9 +85,9 @@ async def _admit_and_stream(
         return
     if feature.mode == Feature.Mode.EXTRACT:
         frame = replace(frame, messages=modes.extract_messages(frame.messages))
-        events = _answer_once(_answer(request_id, user, feature, frame, layer))
+        events = _answer_once(_answer(request_id, user, feature, frame))
     else:
-        events = _answer(request_id, user, feature, frame, layer)
+        events = _answer(request_id, user, feature, frame)
     async with aclosing(events):
         async for event in events:
             yield event
@@ -113,9 +111,7 @@ async def _answer_once(events: AsyncIterator[dict]) -> AsyncIterator[dict]:
             yield event
 
 
-async def _answer(
-    request_id: str, user: AbstractBaseUser, feature: Feature, frame: ChatFrame, layer: BaseChannelLayer
-) -> AsyncIterator[dict]:
+async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, frame: ChatFrame) -> AsyncIterator[dict]:
     prompt_ids, refusal = await _check_before_guard(request_id, user, feature, frame)
     if refusal is not None:
         yield refusal
@@ -128,10 +124,9 @@ async def _answer(
             for event in await serve_cached(request_id, user, feature, len(prompt_ids), max_tokens, hit):
                 yield event
             return
-    group = bus.request_group(request_id)
-    channel = await layer.new_channel()
-    # Join the group before the worker can publish the first token.
-    await layer.group_add(group, channel)
+    inbox = bus.stream_inbox()
+    # Open the request's queue before the worker can send the first frame.
+    frames = inbox.open(request_id)
     ended = False  # nothing left to stop: the worker finished it, or the guard refused it
     try:
         loop = LoopLimits(frame.loop_id, settings.CEILING_LOOP_MAX_CALLS, settings.CEILING_LOOP_MAX_COST_MICRO_USD) if frame.loop_id else None
@@ -141,11 +136,11 @@ async def _answer(
             yield {"type": "refused", "code": decision.code, "message": decision.message, "retry_after_s": decision.retry_after_s}
             return
         # Dispatch before announcing it: from here on, stopping early only needs a cancel.
-        await dispatch_generation(request_id)
+        await dispatch_generation(request_id, inbox.key)
         yield {"type": "accepted", "request_id": request_id, "prompt_tokens": len(prompt_ids), "max_tokens": decision.max_tokens}
         if decision.warning:
             yield {"type": "notice", "code": "nearing_cap", "message": decision.warning}
-        async for event in _relay(layer, channel, request_id, len(prompt_ids)):
+        async for event in _relay(frames, request_id, len(prompt_ids)):
             ended = event["type"] in TERMINAL
             if key is not None and event["type"] == "done" and event.get("finish_reason") == "stop":
                 # Stored before `done` is yielded: a caller may stop iterating right after it.
@@ -157,7 +152,7 @@ async def _answer(
                 # Cancelled, closed early or failed half-way: the engine must not keep generating.
                 await bus.arequest_cancel(request_id)
         finally:
-            await layer.group_discard(group, channel)
+            inbox.close(request_id)
 
 
 async def _check_before_guard(
@@ -209,10 +204,10 @@ async def _close_if_admitted(admission: asyncio.Future, prompt_tokens: int) -> N
         )
 
 
-async def _relay(layer: BaseChannelLayer, channel: str, request_id: str, prompt_tokens: int) -> AsyncIterator[dict]:
-    """The worker's messages as events until done/failed, within the first-token and total timeouts.
+async def _relay(inbox: asyncio.Queue, request_id: str, prompt_tokens: int) -> AsyncIterator[dict]:
+    """The worker's frames as events until done/failed, within the first-token and total timeouts.
 
-    The channel layer is at-most-once (a message can be dropped under load), the ledger is not: when
+    The stream is at-most-once (a message can be dropped under load), the ledger is not: when
     nothing has arrived for LEDGER_CHECK_S, the TokenLog row is read, and a request the worker has
     already settled ends from the ledger, its missing text taken from the stored transcript. A
     request whose worker died (its heartbeat expired) is settled here as failed, with the tokens
@@ -223,56 +218,44 @@ async def _relay(layer: BaseChannelLayer, channel: str, request_id: str, prompt_
     started = time.monotonic()
     first_token_seen = False
     streamed: list[str] = []
-    inbox: asyncio.Queue = asyncio.Queue()
-    # One receive loop feeding a queue: waiting with a timeout then cancels queue.get(), never a
-    # channel-layer receive (cancelling one mid-fetch can lose the message it was fetching).
-    receiver = asyncio.ensure_future(_receive_into(layer, channel, inbox))
-    try:
-        while True:
-            limit = settings.CEILING_TOTAL_TIMEOUT_S if first_token_seen else settings.CEILING_FIRST_TOKEN_TIMEOUT_S
-            left = limit - (time.monotonic() - started)
-            if left <= 0:
-                async for event in _time_out(request_id, prompt_tokens, first_token_seen):
+    while True:
+        limit = settings.CEILING_TOTAL_TIMEOUT_S if first_token_seen else settings.CEILING_FIRST_TOKEN_TIMEOUT_S
+        left = limit - (time.monotonic() - started)
+        if left <= 0:
+            async for event in _time_out(request_id, prompt_tokens, first_token_seen):
+                yield event
+            return
+        try:
+            message = await asyncio.wait_for(inbox.get(), timeout=min(left, LEDGER_CHECK_S))
+        except TimeoutError:
+            try:
+                recovered = await recover_from_ledger(request_id, "".join(streamed), len(streamed))
+            except DatabaseError:
+                continue  # the database is away for a moment: keep waiting, the timeouts still hold
+            if not recovered:
+                recovered = await fail_if_worker_lost(request_id, prompt_tokens, "".join(streamed))
+            if recovered:
+                for event in recovered:
                     yield event
                 return
-            try:
-                message = await asyncio.wait_for(inbox.get(), timeout=min(left, LEDGER_CHECK_S))
-            except TimeoutError:
-                try:
-                    recovered = await recover_from_ledger(request_id, "".join(streamed), len(streamed))
-                except DatabaseError:
-                    continue  # the database is away for a moment: keep waiting, the timeouts still hold
-                if not recovered:
-                    recovered = await fail_if_worker_lost(request_id, prompt_tokens, "".join(streamed))
-                if recovered:
-                    for event in recovered:
-                        yield event
-                    return
-                continue
-            if message.get("request_id") != request_id:
-                continue
-            event = dict(message)
-            kind = event.pop("type")
-            if kind == "chat.token":
-                first_token_seen = True
-                streamed.append(event.get("text", ""))
-                yield {"type": "token", **event}
-            elif kind == "chat.done":
-                yield {"type": "done", **event, "cache": "miss"}
-                return
-            elif kind == "chat.failed":
-                yield {"type": "error", **event}
-                return
-    finally:
-        receiver.cancel()
+            continue
+        if message.get("request_id") != request_id:
+            continue
+        event = dict(message)
+        kind = event.pop("type")
+        if kind == "chat.token":
+            first_token_seen = True
+            streamed.append(event.get("text", ""))
+            yield {"type": "token", **event}
+        elif kind == "chat.done":
+            yield {"type": "done", **event, "cache": "miss"}
+            return
+        elif kind == "chat.failed":
+            yield {"type": "error", **event}
+            return
 
 
 LEDGER_CHECK_S = 5.0
-
-
-async def _receive_into(layer: BaseChannelLayer, channel: str, inbox: asyncio.Queue) -> None:
-    while True:
-        inbox.put_nowait(await layer.receive(channel))
 
 
 async def _time_out(request_id: str, prompt_tokens: int, first_token_seen: bool) -> AsyncIterator[dict]:
@@ -309,7 +292,7 @@ def fail_if_worker_lost(request_id: str, prompt_tokens: int, streamed_text: str)
     """[] while the request's worker is alive (or unknown); else settle it failed and say so.
 
     The ledger records the tokens the dead worker reported as streamed (inference/bus.py,
-    ChannelSender.send_token), not what this process happened to receive, and the reservation is
+    ChannelSender.send_frame), not what this process happened to receive, and the reservation is
     released at once instead of after CEILING_RESERVATION_TTL_S. A settle that loses the race to
     the worker changes nothing.
     """
@@ -409,11 +392,11 @@ def remember_answer(feature, key: caches.CacheKey, request_id: str) -> None:
 
 
 @sync_to_async(thread_sensitive=False)
-def dispatch_generation(request_id: str) -> None:
+def dispatch_generation(request_id: str, reply_to: str) -> None:
     from .tasks import generate
 
     try:
-        generate.apply_async(args=[request_id], queue=settings.CEILING_INFERENCE_QUEUE, retry=False)
+        generate.apply_async(args=[request_id, reply_to], queue=settings.CEILING_INFERENCE_QUEUE, retry=False)
     except Exception as exc:
         # Never leave an admitted request holding its reservation because the broker was away.
         fail_undispatched(request_id, str(exc))

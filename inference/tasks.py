@@ -36,8 +36,10 @@ _stop_services = threading.Event()
     acks_late=False,
     reject_on_worker_lost=False,
 )
-def generate(request_id: str) -> None:
-    run_generation(request_id)
+def generate(request_id: str, reply_to: str = "") -> None:
+    # reply_to: the waiting web process's stream inbox; a task queued by an older web process
+    # carries none, and its user's page then ends from the ledger (session._relay).
+    run_generation(request_id, reply_to)
 
 
 @shared_task(name="inference.refine", queue="inference", ignore_result=True, acks_late=False,

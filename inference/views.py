@@ -26,7 +26,7 @@ def chat(request: HttpRequest) -> HttpResponse:
 def request_transcript(request: HttpRequest, request_id: str) -> JsonResponse:
     """One of the user's own requests as stored: what a chat client shows after it lost frames.
 
-    The channel layer may drop token frames; the ledger and the transcript never do. Another
+    The stream may drop token frames; the ledger and the transcript never do. Another
     user's request is a 404, exactly like one that does not exist.
     """
     row = _get_request_for_user(request, request_id)

@@ -233,6 +233,10 @@ WHITENOISE_AUTOREFRESH = DEBUG
 # --- Redis: Celery broker, channel layer, engine stats, cancellation ------------------------
 REDIS_URL = check_redis_url(envstr("REDIS_URL", "redis://127.0.0.1:6379/0"))
 
+# Messages one web process's Redis list may hold while it is not reading: its stream inbox (bundles
+# of frames, inference/bus.py) and its channel-layer channels (dashboard points). A send beyond it is
+# dropped (streaming is at-most-once; each request then ends from the ledger).
+CEILING_CHANNEL_CAPACITY = envint("CEILING_CHANNEL_CAPACITY", 20000, minimum=1)
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
@@ -241,9 +245,7 @@ CHANNEL_LAYERS = {
             # blocking BZPOPMIN (itself 5 s) and tears consumers down; allow the read to outlast it.
             "hosts": [{"address": REDIS_URL, "socket_timeout": 30, "socket_connect_timeout": 5}],
             "prefix": envstr("CEILING_CHANNEL_PREFIX", "ceiling"),
-            # Every request channel of one daphne process shares one Redis list, and a send past
-            # `capacity` is dropped silently: size it for all the tokens in flight in a process.
-            "capacity": envint("CEILING_CHANNEL_CAPACITY", 20000, minimum=1),
+            "capacity": CEILING_CHANNEL_CAPACITY,
             "expiry": 60,
         },
     }

@@ -1,12 +1,12 @@
-"""The worker's side of streaming: ids → text pieces, and the channel-layer sender's ordering."""
+"""Streaming: ids → text pieces on the worker, the sender's bundles and ordering, the web process's inbox."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import pytest
-from channels.layers import get_channel_layer
 
 from inference import bus
 from inference.generation import FrameBuffer, IncrementalDecoder
@@ -85,36 +85,60 @@ def test_a_longer_interval_sends_the_first_piece_at_once_then_every_n_tokens(tex
     assert len(frames) <= 2 + sum(covered for _, covered in frames[1:]) // interval
 
 
-async def _listen(group: str) -> str:
-    layer = get_channel_layer()
-    channel = await layer.new_channel()
-    await layer.group_add(group, channel)
-    return channel
+def _token(request_id: str, seq: int) -> dict:
+    return {"type": "chat.token", "request_id": request_id, "text": f"{seq} ", "seq": seq}
 
 
-async def _receive_all(channel: str, count: int) -> list[dict]:
-    layer = get_channel_layer()
-    return [await asyncio.wait_for(layer.receive(channel), timeout=10) for _ in range(count)]
+async def _receive_all(queue: asyncio.Queue, count: int) -> list[dict]:
+    return [await asyncio.wait_for(queue.get(), timeout=10) for _ in range(count)]
 
 
-async def _send_and_receive(sender: bus.ChannelSender, groups: list[str], tokens: int) -> dict[str, list[dict]]:
-    channels = {group: await _listen(group) for group in groups}
+async def _send_and_receive(sender: bus.ChannelSender, request_ids: list[str], tokens: int) -> dict[str, list[dict]]:
+    inbox = bus.stream_inbox()
+    queues = {request_id: inbox.open(request_id) for request_id in request_ids}
     for seq in range(tokens):
-        for group in groups:
-            sender.send_token(group, {"type": "chat.token", "text": f"{seq} ", "seq": seq}, group, seq + 1)
-    for group in groups:
-        assert await asyncio.to_thread(sender.group_send, group, {"type": "chat.done", "frames": tokens})
-    return {group: await _receive_all(channel, tokens + 1) for group, channel in channels.items()}
+        for request_id in request_ids:
+            sender.send_frame(inbox.key, request_id, _token(request_id, seq), tokens_streamed=seq + 1)
+    for request_id in request_ids:
+        done = {"type": "chat.done", "request_id": request_id, "frames": tokens}
+        assert await asyncio.to_thread(sender.send_frame, inbox.key, request_id, done, wait=True)
+    return {request_id: await _receive_all(queue, tokens + 1) for request_id, queue in queues.items()}
 
 
 @pytest.mark.django_db
-def test_each_groups_frames_arrive_in_order_and_the_final_frame_last(redis_db):
+def test_each_requests_frames_arrive_in_order_and_the_final_frame_last(redis_db):
     sender = bus.ChannelSender()
-    groups = [f"order-{uuid.uuid4().hex}" for _ in range(4)]
-    received = asyncio.run(_send_and_receive(sender, groups, tokens=150))
-    for messages in received.values():
+    request_ids = [f"order-{uuid.uuid4().hex}" for _ in range(4)]
+    received = asyncio.run(_send_and_receive(sender, request_ids, tokens=150))
+    for request_id, messages in received.items():
         assert [m["seq"] for m in messages[:-1]] == list(range(150))
-        assert messages[-1] == {"type": "chat.done", "frames": 150}
+        assert messages[-1] == {"type": "chat.done", "request_id": request_id, "frames": 150}
+
+
+def _bundles(key: str) -> list[list[dict]]:
+    return [json.loads(raw) for raw in bus.redis_client().lrange(key, 0, -1)]
+
+
+@pytest.mark.django_db
+def test_frames_handed_over_together_go_out_together_one_push_per_inbox(redis_db):
+    """An engine step's frames for every request of a web process arrive in one bundle, not one each."""
+    sender = bus.ChannelSender()
+    inboxes = [f"{bus.INBOX_KEY_PREFIX}test-{uuid.uuid4().hex}" for _ in range(2)]
+    request_ids = {inbox: [f"r{i}-{uuid.uuid4().hex}" for i in range(10)] for inbox in inboxes}
+    for step in range(3):
+        for inbox in inboxes:
+            for request_id in request_ids[inbox]:
+                sender.send_frame(inbox, request_id, _token(request_id, step))
+    assert sender.send_frame(inboxes[0], "last", {"type": "chat.done", "request_id": "last"}, wait=True)
+    for inbox in inboxes:
+        bundles = _bundles(inbox)
+        frames = [frame for bundle in bundles for frame in bundle]
+        assert {frame["request_id"] for frame in frames} >= set(request_ids[inbox])
+        assert {frame["request_id"] for frame in frames} <= set(request_ids[inbox]) | {"last"}
+        for request_id in request_ids[inbox]:
+            assert [f["seq"] for f in frames if f["request_id"] == request_id] == [0, 1, 2]
+        assert len(bundles) < len(frames) / 5, f"{len(frames)} frames in {len(bundles)} pushes"
+        assert 0 < bus.redis_client().ttl(inbox) <= bus.INBOX_EXPIRY_S
 
 
 @pytest.fixture
@@ -126,35 +150,76 @@ def heartbeat():
 
 
 @pytest.mark.django_db
-def test_progress_is_recorded_before_each_frame_and_never_after_the_claim_is_released(redis_db, heartbeat):
+@pytest.mark.parametrize("inbox", ["", "ceiling:inbox:progress-test"])
+def test_progress_is_recorded_before_each_frame_and_never_after_the_claim_is_released(redis_db, heartbeat, inbox):
+    """Also with nobody listening (a batch item): the ledger of a dead worker needs the count."""
     sender = bus.ChannelSender()
     request_id = f"progress-{uuid.uuid4().hex}"
-    group = bus.request_group(request_id)
     key = bus.RUNNING_KEY.format(request_id)
     bus.claim_request(request_id, ttl_s=60)
     for seq in range(20):
-        sender.send_token(group, {"type": "chat.token", "text": "x", "seq": seq}, request_id, seq + 1)
-    assert sender.group_send(group, {"type": "chat.done"})  # goes out after every token before it
+        sender.send_frame(inbox, request_id, _token(request_id, seq), tokens_streamed=seq + 1)
+    assert sender.send_frame(inbox, request_id, {"type": "chat.done"}, wait=True)  # after every token before it
     assert bus.redis_client().hget(key, "tokens") == b"20"
     assert 0 < bus.redis_client().ttl(key) <= 60
 
     bus.release_claim(request_id)
-    sender.send_token(group, {"type": "chat.token", "text": "late", "seq": 20}, request_id, 21)
-    assert sender.group_send(group, {"type": "chat.done"})
+    sender.send_frame(inbox, request_id, _token(request_id, 20), tokens_streamed=21)
+    assert sender.send_frame(inbox, request_id, {"type": "chat.done"}, wait=True)
     assert not bus.redis_client().exists(key), "a late progress write must not leave a key without a TTL"
+    bus.redis_client().delete(inbox or "unused")
 
 
-async def _failed_then_sent(sender: bus.ChannelSender, group: str) -> tuple[bool, bool, list[dict]]:
-    channel = await _listen(group)
-    # The real channel layer refuses a message it cannot serialise (msgpack knows no such object).
-    failed = await asyncio.to_thread(sender.group_send, group, {"type": "chat.token", "n": 1, "bad": object()})
-    sender.send_token(group, {"type": "chat.token", "n": 2}, "no-heartbeat", 1)
-    sent = await asyncio.to_thread(sender.group_send, group, {"type": "chat.done", "n": 3})
-    return failed, sent, await _receive_all(channel, 2)
+async def _unsendable_then_sent(sender: bus.ChannelSender, request_id: str) -> tuple[bool, bool, list[dict]]:
+    inbox = bus.stream_inbox()
+    queue = inbox.open(request_id)
+    failed = sender.send_frame(inbox.key, request_id, {"type": "chat.token", "request_id": request_id, "bad": object()})
+    sender.send_frame(inbox.key, request_id, {"type": "chat.token", "request_id": request_id, "n": 2}, tokens_streamed=1)
+    done = {"type": "chat.done", "request_id": request_id, "n": 3}
+    sent = await asyncio.to_thread(sender.send_frame, inbox.key, request_id, done, wait=True)
+    return failed, sent, await _receive_all(queue, 2)
 
 
 @pytest.mark.django_db
-def test_a_failed_send_is_reported_and_does_not_block_the_groups_later_frames(redis_db):
-    failed, sent, received = asyncio.run(_failed_then_sent(bus.ChannelSender(), f"fail-{uuid.uuid4().hex}"))
+def test_a_frame_that_cannot_be_sent_is_reported_and_does_not_block_the_later_frames(redis_db):
+    request_id = f"fail-{uuid.uuid4().hex}"
+    failed, sent, received = asyncio.run(_unsendable_then_sent(bus.ChannelSender(), request_id))
     assert failed is False and sent is True
-    assert received == [{"type": "chat.token", "n": 2}, {"type": "chat.done", "n": 3}]
+    assert received == [{"type": "chat.token", "request_id": request_id, "n": 2},
+                        {"type": "chat.done", "request_id": request_id, "n": 3}]
+
+
+@pytest.mark.django_db
+def test_a_full_inbox_drops_the_send_and_says_so(redis_db, settings):
+    """A web process that stopped reading must not grow a list without bound; the ledger has the rest."""
+    settings.CEILING_CHANNEL_CAPACITY = 2
+    sender = bus.ChannelSender()
+    inbox = f"{bus.INBOX_KEY_PREFIX}full-{uuid.uuid4().hex}"
+    results = [sender.send_frame(inbox, "r", _token("r", seq), wait=True) for seq in range(4)]
+    assert results == [True, True, False, False]
+    assert [bundle[0]["seq"] for bundle in _bundles(inbox)] == [0, 1]
+    bus.redis_client().delete(inbox)
+
+
+async def _reader_lifecycle() -> list:
+    inbox = bus.stream_inbox()
+    assert bus.stream_inbox() is inbox  # one per event loop
+    client = bus.redis_client()
+    seen = []
+    queue = inbox.open("mine")
+    client.rpush(inbox.key, b"not json", json.dumps([{"request_id": "someone-elses", "n": 0}, {"request_id": "mine", "n": 1}]))
+    seen.append(await asyncio.wait_for(queue.get(), timeout=5))
+    inbox.close("mine")
+    await asyncio.sleep(bus.StreamInbox.BLOCK_S + 1.0)
+    seen.append(inbox._reader is None)  # nothing open: no reader blocks on Redis
+    queue = inbox.open("mine-again")
+    client.rpush(inbox.key, json.dumps([{"request_id": "mine", "n": 2}, {"request_id": "mine-again", "n": 3}]))
+    seen.append(await asyncio.wait_for(queue.get(), timeout=5))
+    inbox.close("mine-again")
+    return seen
+
+
+@pytest.mark.django_db
+def test_the_inbox_sorts_frames_out_by_request_and_reads_only_while_a_request_waits(redis_db):
+    """Unreadable bundles and frames for requests that ended are dropped; the reader goes on."""
+    assert asyncio.run(_reader_lifecycle()) == [{"request_id": "mine", "n": 1}, True, {"request_id": "mine-again", "n": 3}]

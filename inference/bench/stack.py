@@ -1,6 +1,6 @@
 """The bench's `stack` mode: the workload through every real process a user's chat goes through.
 
-websocket clients → daphne → session + guard → Celery worker → engine → channel layer → websocket.
+websocket clients → daphne → session + guard → Celery worker → engine → stream inbox → websocket.
 The bench starts its own daphne and worker (the command lines `make run` uses) on the configured
 database and Redis, as a user "bench" without caps on a feature "bench" without answer caches, so the
 guard does all its work but never refuses. The worker runs with CEILING_IGNORE_EOS so every answer

@@ -1,4 +1,4 @@
-"""The channel layer drops frames (it is at-most-once): the chat page notices the gap in `seq` and
+"""The stream drops frames (it is at-most-once): the chat page notices the gap in `seq` and
 shows the whole answer from the stored transcript; only the owner can read that transcript."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from tests.faults import PrivateRedis, start_private_stack
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-# Four frames fit in the web process's channel; while it is paused, the worker's later sends are
-# dropped by channels_redis itself, as they are under real overload (capacity reached).
+# Four bundles of frames fit in the web process's stream inbox; while it is paused, the worker's
+# later sends are dropped by the worker's push itself, as they are under real overload.
 CAPACITY = 4
 
 
@@ -33,7 +33,7 @@ def a_finished_request(user, feature, text: str) -> str:
 
 
 def tokens_streamed(private, request_id: str) -> int:
-    """The worker's own count of tokens it streamed (inference/bus.py ChannelSender.send_token)."""
+    """The worker's own count of tokens it streamed (inference/bus.py ChannelSender.send_frame)."""
     return int(private.redis.client().hget(f"ceiling:running:{request_id}", "tokens") or 0)
 
 
@@ -76,8 +76,8 @@ def test_the_chat_page_shows_the_whole_answer_after_frames_were_dropped(small_ch
     page.click("#send")
     page.wait_for_function("() => (document.querySelector('li.assistant') || {}).textContent?.length > 0", timeout=90_000)
 
-    # The web process stops reading its channel (a stall) while the worker streams more tokens than
-    # the channel holds; then it reads on, and the rest of the answer arrives after a gap.
+    # The web process stops reading its inbox (a stall) while the worker streams more tokens than
+    # the inbox holds; then it reads on, and the rest of the answer arrives after a gap.
     request_id = TokenLog.objects.get(user=alice).request_id
     small_channel_stack.daphne.send_signal(signal.SIGSTOP)
     try:
@@ -92,7 +92,7 @@ def test_the_chat_page_shows_the_whole_answer_after_frames_were_dropped(small_ch
     row = wait_for(lambda: TokenLog.objects.filter(user=alice).exclude(status=TokenLog.Status.RUNNING).first(), timeout=30)
     stored = Transcript.objects.get(log=row).response_text
 
-    assert "over capacity" in small_channel_stack.worker_log(0)  # frames really were dropped
+    assert "its inbox is full" in small_channel_stack.worker_log(0)  # frames really were dropped
     assert row.status == TokenLog.Status.OK and row.completion_tokens > CAPACITY
     assert shown == stored and len(stored) > 0
     assert recovered == "true"  # the page saw the gap and fetched the transcript
