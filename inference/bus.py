@@ -217,8 +217,12 @@ class ChannelSender:
         self.thread = threading.Thread(target=self.loop.run_forever, name="channel-sender", daemon=True)
         self.thread.start()
         self.layer = get_channel_layer()
-        self._pending: list[_Frame] = []  # loop thread only
-        self._flusher: asyncio.Task | None = None
+        # Frames handed over and not yet taken, from any thread. The loop is woken once per bundle,
+        # not once per frame: a flush is scheduled by the first frame after the last one was taken.
+        self._handed: list[_Frame] = []
+        self._handed_lock = threading.Lock()
+        self._flush_scheduled = False
+        self._flusher: asyncio.Task | None = None  # referenced, so it is not collected mid-flush
         self._redis: aioredis.Redis | None = None  # the loop's own client
 
     # --- frames to web processes' inboxes ---------------------------------------------------------
@@ -237,7 +241,7 @@ class ChannelSender:
             return False
         progress = tokens_streamed if _heartbeat.is_set() else None
         delivered = concurrent.futures.Future() if wait else None
-        self.loop.call_soon_threadsafe(self._hand_over, _Frame(inbox, request_id, payload, progress, delivered))
+        self._hand_over(_Frame(inbox, request_id, payload, progress, delivered))
         if delivered is None:
             return True
         try:
@@ -247,24 +251,36 @@ class ChannelSender:
             return False
 
     def _hand_over(self, frame: _Frame) -> None:
-        self._pending.append(frame)
-        if self._flusher is None:
-            self._flusher = self.loop.create_task(self._flush_while_pending())
+        with self._handed_lock:
+            self._handed.append(frame)
+            if self._flush_scheduled:
+                return
+            self._flush_scheduled = True
+        self.loop.call_soon_threadsafe(self._start_flushing)
 
-    async def _flush_while_pending(self) -> None:
-        try:
-            while self._pending:
-                await asyncio.sleep(COALESCE_S)
-                bundle, self._pending = self._pending, []
-                try:
-                    await self._push(bundle)
-                except Exception:  # a bug here must not stop every later frame of this process
-                    log.exception("sending %d frames failed", len(bundle))
-                    for frame in bundle:
-                        if frame.delivered is not None and not frame.delivered.done():
-                            frame.delivered.set_result(False)
-        finally:
-            self._flusher = None  # no await since the loop saw nothing pending: nothing can be missed
+    def _start_flushing(self) -> None:
+        self._flusher = self.loop.create_task(self._flush_while_handed())
+
+    def _take_handed(self) -> list[_Frame]:
+        with self._handed_lock:
+            frames, self._handed = self._handed, []
+            if not frames:
+                self._flush_scheduled = False  # the next frame schedules a new flush
+            return frames
+
+    async def _flush_while_handed(self) -> None:
+        while True:
+            await asyncio.sleep(COALESCE_S)
+            bundle = self._take_handed()
+            if not bundle:
+                return
+            try:
+                await self._push(bundle)
+            except Exception:  # a bug here must not stop every later frame of this process
+                log.exception("sending %d frames failed", len(bundle))
+                for frame in bundle:
+                    if frame.delivered is not None and not frame.delivered.done():
+                        frame.delivered.set_result(False)
 
     async def _push(self, frames: list[_Frame]) -> None:
         if self._redis is None:

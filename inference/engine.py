@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -114,15 +114,23 @@ _CANCELLED = object()  # marker pushed into a request's queue by cancel()
 
 
 class RequestHandle:
-    """One submitted request: iterate events() to read its stream."""
+    """One submitted request: iterate events() to read its stream.
 
-    def __init__(self, engine: Engine, request_id: str, engine_id: str, eos_ids: set[int]) -> None:
+    Or, for a request submitted with a listener: the pump calls the listener with every event (in
+    the pump thread, one thread for all such requests, so an engine step wakes no thread per
+    request), and the submitter only waits for the end with wait_end().
+    """
+
+    def __init__(self, engine: Engine, request_id: str, engine_id: str, eos_ids: set[int],
+                 listener: Callable[[StreamEvent], None] | None = None) -> None:
         self.engine = engine
         self.request_id = request_id
         self.engine_id = engine_id
         self.eos_ids = eos_ids
+        self.listener = listener
         self.outputs: queue.Queue = queue.Queue()
         self.tokens: list[int] = []
+        self.last_output_at = time.monotonic()  # when the engine last produced something for it
 
     def events(self, timeout: float) -> Iterator[StreamEvent]:
         """Yield events until the request ends; raises EngineError if nothing arrives within timeout."""
@@ -138,7 +146,16 @@ class RequestHandle:
             if event.finished:
                 return
 
+    def wait_end(self, timeout: float) -> StreamEvent | None:
+        """A listened-to request's final event, or None if it has not ended within timeout."""
+        try:
+            return self._to_event(self.outputs.get(timeout=timeout))
+        except queue.Empty:
+            return None
+
     def _to_event(self, item) -> StreamEvent:
+        if isinstance(item, StreamEvent):
+            return item  # the pump made it already (a listened-to request's end)
         if item is _CANCELLED:
             return StreamEvent([], finished=True, finish_reason=FINISH_CANCELLED)
         generated = list(item.generated_tokens)
@@ -279,7 +296,8 @@ class Engine:
         return self.config.page_size * self.config.num_blocks
 
     def submit(
-        self, request_id: str, input_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False
+        self, request_id: str, input_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False,
+        listener: Callable[[StreamEvent], None] | None = None,
     ) -> RequestHandle:
         if not input_ids:
             raise EngineError("the prompt is empty")
@@ -296,7 +314,7 @@ class Engine:
         # kill the manager's loop.
         engine_id = f"{request_id}#{uuid.uuid4().hex[:8]}"
         eos_ids = set(self.eos_ids_list())
-        handle = RequestHandle(self, request_id, engine_id, eos_ids)
+        handle = RequestHandle(self, request_id, engine_id, eos_ids, listener)
         with self._lock:
             self._handles[engine_id] = handle
             self._by_request[request_id] = engine_id
@@ -358,10 +376,25 @@ class Engine:
         with self._lock:
             self._tokens_generated += max(new, 0)
             self._recent_tokens.append((now, max(new, 0)))
-        handle.outputs.put(output)
+        handle.last_output_at = now
+        if handle.listener is None:
+            handle.outputs.put(output)
+        else:
+            self._tell_listener(handle, output)
         if output.is_finished():
             self._requests_finished += 1
             self._forget(output.request_id)
+
+    @staticmethod
+    def _tell_listener(handle: RequestHandle, output) -> None:
+        event = handle._to_event(output)
+        try:
+            if event.new_tokens or event.finished:
+                handle.listener(event)
+        except Exception:  # noqa: BLE001 - one request's listener must not stop the pump for all
+            log.exception("the listener of %s failed", handle.request_id)
+        if event.finished:
+            handle.outputs.put(event)
 
     def _restart_after_crash(self) -> None:
         if self._stopping.is_set():

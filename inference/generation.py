@@ -10,6 +10,7 @@ ends through the same _finish, with the token counts the remote reported.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from django.conf import settings
@@ -117,53 +118,89 @@ def _generate(request_id: str, reply_to: str) -> None:
     try:
         # The feature's weight variant (Feature.quantization); a worker loads a variant at its first request.
         engine = get_engine(log_row.feature.quantization if log_row.feature else None)
-        handle = engine.submit(request_id, prompt_ids, log_row.max_tokens, ignore_eos=settings.CEILING_IGNORE_EOS)
+        stream = TokenStream(engine.tokenizer, log_row, reply_to)
+        handle = engine.submit(request_id, prompt_ids, log_row.max_tokens, ignore_eos=settings.CEILING_IGNORE_EOS,
+                               listener=stream.on_event)
     except EngineError as exc:
         _finish(log_row, reply_to, [], "", FINISH_ERROR, None, error=str(exc))
         return
     if bus.is_cancel_requested(request_id):  # the cancel may have landed between the check and submit
         engine.cancel(request_id)
-    _stream(engine, handle, log_row, reply_to)
+    finish_reason, error = _wait_for_the_end(engine, handle)
+    stream.close()
+    _finish(log_row, reply_to, handle.tokens, stream.decoder.text(), finish_reason, stream.ttft_ms, error=error,
+            frames=stream.seq)
 
 
-def _stream(engine, handle, log_row: TokenLog, reply_to: str) -> None:
-    sender = bus.channel_sender()
-    decoder = IncrementalDecoder(engine.tokenizer)
-    frames = FrameBuffer(settings.CEILING_STREAM_INTERVAL)
-    deadline = time.monotonic() + settings.CEILING_ENGINE_DEADLINE_S
-    ttft_ms = None
-    seq = 0
+class TokenStream:
+    """One request's tokens → text frames → its web process, run by the engine's pump thread.
 
-    def send(text: str) -> None:
-        nonlocal seq
+    The pump calls on_event for every request it routes, so an engine step costs one thread's
+    work, not a wake-up of every request's task thread (with 20-60 requests a step, those wake-ups
+    and their turns at the GIL preempted the engine's two compute threads on a 2-core machine).
+    The frames go to the process's sender, which bundles a step's frames into one push.
+    """
+
+    def __init__(self, tokenizer, log_row: TokenLog, reply_to: str) -> None:
+        self.log_row = log_row
+        self.reply_to = reply_to
+        self.sender = bus.channel_sender()
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.frames = FrameBuffer(settings.CEILING_STREAM_INTERVAL)
+        self.ttft_ms: int | None = None
+        self.seq = 0  # token frames sent
+        self._lock = threading.Lock()  # the pump's on_event against the task thread's close
+        self._closed = False
+
+    def on_event(self, event) -> None:
+        """In the pump thread: decode the new tokens and send what is due."""
+        with self._lock:
+            if self._closed:
+                return
+            if event.new_tokens and self.ttft_ms is None:
+                self.ttft_ms = _ms_since(self.log_row.created_at)
+            text = self.frames.add(self.decoder.push(event.new_tokens), len(event.new_tokens))
+            if text:
+                self._send(text)
+
+    def close(self) -> None:
+        """In the task thread, after the end: send what was held back; nothing is sent after this."""
+        with self._lock:
+            self._closed = True
+            rest = self.frames.take()
+            if rest:
+                self._send(rest)
+
+    def _send(self, text: str) -> None:
         # Its progress is recorded before it is sent: if this worker dies, the ledger counts every
         # token a user saw. The hand-over does not wait; _finish's frame goes out after it.
-        token = {"type": "chat.token", "request_id": log_row.request_id, "text": text, "seq": seq}
-        sender.send_frame(reply_to, log_row.request_id, token, tokens_streamed=len(decoder.ids))
-        seq += 1
+        request_id = self.log_row.request_id
+        token = {"type": "chat.token", "request_id": request_id, "text": text, "seq": self.seq}
+        self.sender.send_frame(self.reply_to, request_id, token, tokens_streamed=len(self.decoder.ids))
+        self.seq += 1
 
-    finish_reason, error = FINISH_ERROR, ""
-    try:
-        for event in handle.events(timeout=settings.CEILING_ENGINE_FIRST_TOKEN_S):
-            if event.new_tokens and ttft_ms is None:
-                ttft_ms = _ms_since(log_row.created_at)
-            text = frames.add(decoder.push(event.new_tokens), len(event.new_tokens))
-            if text:
-                send(text)
-            if event.finished:
-                finish_reason, error = event.finish_reason, event.error or ""
-                break
-            if time.monotonic() > deadline:
-                engine.cancel(log_row.request_id)
-                error = f"the answer took longer than {settings.CEILING_ENGINE_DEADLINE_S:.0f} s"
-    except EngineError as exc:
-        error = str(exc)
-    rest = frames.take()
-    if rest:
-        send(rest)
-    if error and finish_reason == FINISH_CANCELLED:
-        finish_reason = FINISH_ERROR  # our own deadline cancelled it: that is a failure, not the user's cancel
-    _finish(log_row, reply_to, handle.tokens, decoder.text(), finish_reason, ttft_ms, error=error, frames=seq)
+
+def _wait_for_the_end(engine, handle) -> tuple[str, str]:
+    """(finish reason, error) of a listened-to request, enforcing the engine's idle and total limits."""
+    idle_limit = settings.CEILING_ENGINE_FIRST_TOKEN_S
+    deadline = time.monotonic() + settings.CEILING_ENGINE_DEADLINE_S
+    error = ""
+    while True:
+        now = time.monotonic()
+        idle_left = idle_limit - (now - handle.last_output_at)
+        if idle_left <= 0:
+            engine.cancel(handle.request_id)
+            return FINISH_ERROR, f"the engine produced nothing for {idle_limit:.0f} s"
+        if not error and now > deadline:
+            engine.cancel(handle.request_id)  # its cancelled end follows at once
+            error = f"the answer took longer than {settings.CEILING_ENGINE_DEADLINE_S:.0f} s"
+        wait = idle_left if error else min(idle_left, deadline - now)
+        end = handle.wait_end(timeout=max(wait, 0.01))
+        if end is None:
+            continue
+        if error and end.finish_reason == FINISH_CANCELLED:
+            return FINISH_ERROR, error  # our own deadline cancelled it: a failure, not the user's cancel
+        return end.finish_reason, end.error or error
 
 
 def _generate_remote(log_row: TokenLog, reply_to: str) -> None:

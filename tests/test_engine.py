@@ -120,6 +120,76 @@ def test_cancel_ends_the_stream_and_frees_the_batch(engine):
     wait_for(lambda: engine.stats().running == 0, timeout=5)
 
 
+class Listener:
+    """Records what the pump hands a listened-to request, and in which thread."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.events, self.threads, self.fail = [], set(), fail
+
+    def __call__(self, event) -> None:
+        self.events.append(event)
+        self.threads.add(threading.current_thread().name)
+        if self.fail:
+            raise RuntimeError("a broken listener")
+
+
+def test_a_listened_to_request_streams_through_the_pump_and_ends_once(engine):
+    prompt = engine.encode_chat([{"role": "user", "content": "Name three rivers."}])
+    listener = Listener()
+    handle = engine.submit("listened", prompt, 12, ignore_eos=True, listener=listener)
+    end = None
+    while end is None:
+        end = handle.wait_end(timeout=60)
+    reference = _read_all(engine.submit("not-listened", prompt, 12, ignore_eos=True))[0]
+    assert end.finished and end.finish_reason == "length"
+    assert listener.events[-1] is end  # the listener saw the end before the waiter did
+    assert [t for event in listener.events for t in event.new_tokens] == handle.tokens == reference
+    assert threading.current_thread().name not in listener.threads and len(listener.threads) == 1
+    assert handle.wait_end(timeout=0.05) is None  # nothing more comes
+
+
+def test_a_failing_listener_does_not_stop_the_pump_for_other_requests(engine):
+    prompt = engine.encode_chat([{"role": "user", "content": "Hi"}])
+    broken = engine.submit("broken-listener", prompt, 6, ignore_eos=True, listener=Listener(fail=True))
+    assert _wait_end(broken).finish_reason == "length"
+    assert _read_all(engine.submit("after-broken", prompt, 6, ignore_eos=True))[1] == "length"
+
+
+def test_cancelling_a_listened_to_request_ends_its_wait(engine):
+    listener = Listener()
+    handle = engine.submit("listened-cancel", engine.encode_chat([{"role": "user", "content": "Tell a long story."}]), 500,
+                           listener=listener)
+    wait_for(lambda: listener.events, timeout=60)
+    assert engine.cancel("listened-cancel")
+    assert _wait_end(handle).finish_reason == "cancelled"
+
+
+def _wait_end(handle):
+    end = None
+    while end is None:
+        end = handle.wait_end(timeout=60)
+    return end
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [({"CEILING_ENGINE_DEADLINE_S": 0.3}, "the answer took longer than 0 s"),
+     ({"CEILING_ENGINE_FIRST_TOKEN_S": 0.001}, "the engine produced nothing for 0 s")],
+)
+def test_the_task_thread_enforces_the_total_and_idle_limits(engine, settings, limits, message):
+    """generation._wait_for_the_end: past a limit the request is cancelled in the engine and fails."""
+    from inference.generation import _wait_for_the_end
+
+    for name, value in limits.items():
+        setattr(settings, name, value)
+    request_id = f"limits-{uuid.uuid4().hex[:8]}"
+    handle = engine.submit(request_id, engine.encode_chat([{"role": "user", "content": "Tell a long story."}]), 500,
+                           listener=Listener())
+    assert _wait_for_the_end(engine, handle) == ("error", message)
+    assert engine.cancel(request_id) is False  # already cancelled: the engine stopped generating it
+    wait_for(lambda: engine.stats().running == 0, timeout=10)
+
+
 def test_cancelling_an_unknown_request_is_harmless(engine):
     assert engine.cancel("never-submitted") is False
 
