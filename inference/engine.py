@@ -5,7 +5,8 @@ prefixes). Facts that shape this file (see shared/ENGINE_NOTES.md, checked on tr
 
 - add_request / cancel_request are thread-safe, but reading results is not: get_result(request_id)
   puts other requests' outputs back and returns None at once. So ONE pump thread reads every output
-  and routes it to a per-request queue registered before add_request.
+  and routes it to a per-request queue registered before add_request, or, for a request submitted
+  with a listener (the worker's chats), calls the listener itself and queues only the end.
 - A streamed output carries all tokens so far; we turn it into "new tokens since last time".
 - A cancelled request never gets a final output: cancel() pushes its own "cancelled" marker.
 - An empty prompt, a request larger than the whole KV cache, or a duplicate request id kill the
