@@ -399,8 +399,11 @@ class StreamInbox:
         except ValueError:
             log.warning("dropped an unreadable bundle from %s", self.key)
             return
+        if not isinstance(frames, list):
+            frames = []
         for frame in frames:
-            queue = self._queues.get(frame.get("request_id")) if isinstance(frame, dict) else None
+            request_id = frame.get("request_id") if isinstance(frame, dict) else None
+            queue = self._queues.get(request_id) if isinstance(request_id, str) else None
             if queue is not None:
                 queue.put_nowait(frame)
 

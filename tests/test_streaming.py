@@ -207,7 +207,8 @@ async def _reader_lifecycle() -> list:
     client = bus.redis_client()
     seen = []
     queue = inbox.open("mine")
-    client.rpush(inbox.key, b"not json", json.dumps([{"request_id": "someone-elses", "n": 0}, {"request_id": "mine", "n": 1}]))
+    client.rpush(inbox.key, b"not json", b'{"request_id": "mine"}', json.dumps([{"request_id": ["mine"]}, 7]),
+                 json.dumps([{"request_id": "someone-elses", "n": 0}, {"request_id": "mine", "n": 1}]))
     seen.append(await asyncio.wait_for(queue.get(), timeout=5))
     inbox.close("mine")
     await asyncio.sleep(bus.StreamInbox.BLOCK_S + 1.0)
