@@ -244,11 +244,7 @@ class ChannelSender:
         self._hand_over(_Frame(inbox, request_id, payload, progress, delivered))
         if delivered is None:
             return True
-        try:
-            return delivered.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            log.warning("sending the final frame of %s took over %.0f s", request_id, timeout)
-            return False
+        return _result_within(delivered, timeout, f"sending the final frame of {request_id}")
 
     def _hand_over(self, frame: _Frame) -> None:
         with self._handed_lock:
@@ -319,11 +315,7 @@ class ChannelSender:
         future = asyncio.run_coroutine_threadsafe(self._group_send(group, message), self.loop)
         if not wait:
             return True
-        try:
-            return future.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            log.warning("channel layer send to %s took over %.0f s", group, timeout)
-            return False
+        return _result_within(future, timeout, f"channel layer send to {group}")
 
     async def _group_send(self, group: str, message: dict) -> bool:
         try:
@@ -332,6 +324,15 @@ class ChannelSender:
         except Exception as exc:  # noqa: BLE001 - dashboards are best-effort
             log.warning("channel layer send to %s failed: %s", group, exc)
             return False
+
+
+def _result_within(future: concurrent.futures.Future, timeout: float, what: str) -> bool:
+    """A send's outcome from the sender loop, or False (logged) if it takes longer than timeout."""
+    try:
+        return future.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        log.warning("%s took over %.0f s", what, timeout)
+        return False
 
 
 _sender: ChannelSender | None = None

@@ -216,14 +216,7 @@ def _record(timing: RequestTiming, event) -> None:
 def _drain(handle, timing: RequestTiming) -> None:
     try:
         for event in handle.events(timeout=600):
-            now = time.perf_counter()
-            if event.new_tokens and timing.first_token is None:
-                timing.first_token = now
-            timing.output_tokens += len(event.new_tokens)
-            if event.finished:
-                timing.finished = now
-                if event.error:
-                    timing.error = event.error
+            _record(timing, event)
     except Exception as exc:  # noqa: BLE001 - recorded; summarise() reports failed requests
         timing.error = str(exc)
 
