@@ -137,7 +137,7 @@ def switch_refusal(feature: Feature, mode: str) -> str | None:
     if mode not in Feature.Quantization.values:
         return f"{mode!r} is not a weight variant this stack serves."
     latest = QuantizationEvaluation.latest_for(feature, mode)
-    command = f"python manage.py evaluate_quantization --feature {feature.name}"
+    command = f"python manage.py evaluate_quantization --feature {feature.name} --mode {mode}"
     if latest is None:
         return f"No {mode} evaluation of {feature.name} has been run yet: run `{command}` first."
     when = f"{latest.created_at:%Y-%m-%d %H:%M}"

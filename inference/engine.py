@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import attention
-from .quantization import quantize_model, weights_memory_bytes
+from .quantization import Q4, describe_q4, measure_q4_rows, quantize_model, weights_memory_bytes
 from .skinny import describe, measure_row_buckets, plain_linears, use_skinny_linears
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class EngineConfig:
     attention: str = "varlen"
     # CPU decode steps' linear layers as W·xᵀ where that measures faster at load (inference/skinny.py).
     skinny_linear: bool = True
-    # "none" or "int8" (inference/quantization.py): how the weights are stored once loaded.
+    # "none", "int8" or "q4" (inference/quantization.py): how the weights are stored once loaded.
     quantization: str = "none"
 
     @classmethod
@@ -204,6 +204,7 @@ class Engine:
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self.weights_bytes = 0
         self.skinny_buckets: list[int] = []  # decode row buckets computed as W·xᵀ (inference/skinny.py)
+        self.q4_max_rows = 0  # steps of up to this many rows read the 4-bit weights (q4 variant only)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -239,6 +240,10 @@ class Engine:
             timings = measure_row_buckets(plain_linears(self.model))
             self.skinny_buckets = use_skinny_linears(self.model, [t.rows for t in timings if t.skinny_wins])
             progress(f"Decode linears, F.linear vs W·xᵀ per pass over the weights: {describe(timings)}")
+        if self.config.quantization == Q4:
+            # After the skinny routes: q4 competes with the route an fp32 step would really take.
+            self.q4_max_rows, q4_timings = measure_q4_rows(self.model)
+            progress(f"Decode linears, fp32 vs 4-bit weights per pass over the block linears: {describe_q4(self.q4_max_rows, q4_timings)}")
 
     def start(self) -> None:
         if self.model is None:

@@ -54,7 +54,8 @@ def skinny_route_table(buckets: Iterable[int]) -> tuple[bool, ...]:
 
 def routed_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    if rows <= SKINNY_MAX_ROWS and self.skinny_routes[rows]:
+    routes = getattr(self, "skinny_routes", None)  # none: skinny linears off, or not measured yet
+    if rows <= SKINNY_MAX_ROWS and routes and routes[rows]:
         return skinny_linear_forward(self, x)
     return F.linear(x, self.weight, self.bias)
 
@@ -116,5 +117,7 @@ def use_skinny_linears(model: nn.Module, buckets: Iterable[int]) -> list[int]:
         routes = skinny_route_table(chosen)
         for module in plain_linears(model):
             module.skinny_routes = routes
-            module.forward = types.MethodType(routed_linear_forward, module)
+            # A q4-packed layer's own forward already falls back to routed_linear_forward.
+            if not getattr(module, "consults_skinny_routes", False):
+                module.forward = types.MethodType(routed_linear_forward, module)
     return chosen

@@ -15,7 +15,7 @@ from inference.engine import Engine, EngineConfig
 from inference.evaluate import compare, is_correct, load_prompts, score
 from inference.modelfiles import model_dir
 from inference.models import QuantizationEvaluation, QuantizationPolicy
-from inference.quantization import INT8, NONE, mode_of, weights_memory_bytes
+from inference.quantization import INT8, NONE, Q4, mode_of, weights_memory_bytes
 from tests.conftest import engine_stats, session_cookie, wait_for
 from tests.wsclient import chat, chat_frame
 
@@ -121,6 +121,18 @@ def test_the_switch_refuses_when_the_latest_evaluation_failed_even_if_an_older_o
     assert chat_feature.quantization == NONE
 
 
+def test_the_feature_page_offers_each_variant_with_its_own_evaluation(staff_client, chat_feature):
+    _evaluation(chat_feature, baseline_correct=50, candidate_correct=50, tokens_per_s=(40.0, 60.0))
+    page = staff_client.get(_page(chat_feature)).content.decode()
+    assert 'id="evaluation-verdict-int8">passed' in page
+    assert "No q4 evaluation yet" in page and "evaluate_quantization --feature chat --mode q4" in page
+    assert "Serve with int8 weights" in page and "Serve with q4 weights" in page
+    response = staff_client.post(_page(chat_feature), {"form": "quantization", "quantization": Q4}, follow=True)
+    assert "Not switched: No q4 evaluation of chat has been run yet" in response.content.decode()
+    chat_feature.refresh_from_db()
+    assert chat_feature.quantization == NONE
+
+
 def test_the_switch_refuses_a_partial_evaluation(chat_feature):
     _evaluation(chat_feature, baseline_correct=5, candidate_correct=5, tokens_per_s=(40.0, 60.0), answered=5)
     assert "answered only 5 of 60 prompts" in switch_refusal(chat_feature, INT8)
@@ -129,7 +141,7 @@ def test_the_switch_refuses_a_partial_evaluation(chat_feature):
 def test_after_a_passing_evaluation_staff_switch_and_the_change_is_audited(staff_client, staff, chat_feature):
     _evaluation(chat_feature, baseline_correct=50, candidate_correct=50, tokens_per_s=(40.0, 60.0))
     page = staff_client.get(_page(chat_feature)).content.decode()
-    assert 'id="evaluation-verdict">passed' in page and "60.0" in page
+    assert 'id="evaluation-verdict-int8">passed' in page and "60.0" in page
 
     response = staff_client.post(_page(chat_feature), {"form": "quantization", "quantization": INT8}, follow=True)
     assert "chat is now served with int8 weights." in response.content.decode()

@@ -272,16 +272,21 @@ def feature_detail(request: HttpRequest, feature_id: int) -> HttpResponse:
 
 
 def _quantization_context(feature: Feature) -> dict:
-    """The latest int8 evaluation of the feature, and why a switch to int8 would be refused (or None)."""
+    """Each quantized variant's latest evaluation of the feature and why a switch to it would be refused (or None)."""
     from inference.actions import switch_refusal
     from inference.models import QuantizationEvaluation
 
-    mode = Feature.Quantization.INT8
-    return {
-        "evaluation": QuantizationEvaluation.latest_for(feature, mode),
-        "switch_refusal": switch_refusal(feature, mode),
-        "quantized_mode": mode,
-    }
+    candidates = [
+        {
+            "mode": mode,
+            "label": label,
+            "evaluation": QuantizationEvaluation.latest_for(feature, mode),
+            "switch_refusal": switch_refusal(feature, mode),
+        }
+        for mode, label in Feature.Quantization.choices
+        if mode != Feature.Quantization.NONE
+    ]
+    return {"candidates": candidates}
 
 
 def _switch_quantization(request: HttpRequest, feature: Feature) -> HttpResponse:

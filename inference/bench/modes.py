@@ -181,7 +181,8 @@ def run_engine(model_dir: Path, requests: list[BenchRequest], threads: int = 2, 
         sampler.stop()
     finally:
         engine.stop()
-    extra = sampler.figures() | {"skinny_buckets": engine.skinny_buckets}
+    extra = sampler.figures() | {"skinny_buckets": engine.skinny_buckets, "quantization": engine.config.quantization,
+                                 "q4_max_rows": engine.q4_max_rows}
     return ModeResult(summarise(timings, own_peak_rss_mb()), extra=extra, timings=timing_rows(timings))
 
 

@@ -14,6 +14,7 @@ from inference.bench.measure import BenchError, machine_facts, measured_flops, r
 from inference.bench.modes import run_in_child
 from inference.bench.workload import WorkloadSpec, describe, mixed_workload
 from inference.modelfiles import model_dir
+from inference.quantization import MODES
 
 ALL_MODES = ("sequential", "static", "engine", "stack", "prefix")
 QUICK_REQUESTS = 24
@@ -35,6 +36,9 @@ class Command(BaseCommand):
         parser.add_argument("--skinny-linear", action=argparse.BooleanOptionalAction, default=settings.CEILING_SKINNY_LINEAR,
                             help="decode-sized matmuls as W·xᵀ where the engine measures that faster when it loads (inference/skinny.py)")
         parser.add_argument("--max-batch-tokens", type=int, default=settings.CEILING_MAX_BATCH_TOKENS)
+        parser.add_argument("--quantization", choices=MODES, default=settings.CEILING_QUANTIZATION,
+                            help="the weight variant of the engine and stack modes (inference/quantization.py); "
+                                 "sequential and static always run transformers' generate in full precision")
         parser.add_argument("--stream-interval", type=int, default=settings.CEILING_STREAM_INTERVAL,
                             help="the stack's tokens per frame after the first (CEILING_STREAM_INTERVAL)")
         parser.add_argument("--json", type=Path, help="write the result (the agreed JSON shape) here")
@@ -109,6 +113,7 @@ class Command(BaseCommand):
         machine["attention"] = options["attention"]
         machine["max_batch_tokens"] = options["max_batch_tokens"]
         machine["skinny_linear"] = options["skinny_linear"]
+        machine["quantization"] = options["quantization"]
         machine["stream_interval"] = options["stream_interval"]
         machine["repeat"] = options["repeat"]
         self.stdout.write(
@@ -119,6 +124,7 @@ class Command(BaseCommand):
             "attention": options["attention"],
             "max_batch_tokens": options["max_batch_tokens"],
             "skinny_linear": options["skinny_linear"],
+            "quantization": options["quantization"],
         }
         # Rounds, not one mode N times in a row: a VM's slow minutes then fall on every mode alike.
         runs: dict[str, list[dict]] = {}
@@ -160,6 +166,7 @@ class Command(BaseCommand):
             "CEILING_ATTENTION": engine_options["attention"],
             "CEILING_MAX_BATCH_TOKENS": str(engine_options["max_batch_tokens"]),
             "CEILING_SKINNY_LINEAR": "1" if engine_options["skinny_linear"] else "0",
+            "CEILING_QUANTIZATION": engine_options["quantization"],
             "CEILING_STREAM_INTERVAL": str(stream_interval),
         }
         result = run_stack(requests, threads=threads, engine_env=env, log_dir=Path(settings.VAR_DIR) / "bench",

@@ -1,0 +1,147 @@
+"""The q4 variant: decode steps of a few rows read the GGUF's own 4-bit weights, every other step the fp32 ones."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from inference.engine import Engine, EngineConfig
+from inference.modelfiles import model_dir
+from inference.quantization import (
+    Q4,
+    Q4_GROUP,
+    Q4_ROW_BUCKETS,
+    QuantizationError,
+    check_mode,
+    measure_q4_rows,
+    mode_of,
+    pack_q4,
+    q4_forward,
+    quantize_model,
+    weights_memory_bytes,
+)
+from inference.skinny import skinny_linear_forward, use_skinny_linears
+
+
+class TinyDecoder(nn.Module):
+    """Names as in a transformers decoder: linears under `.layers.` are packed, the lm_head is not."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(weight.shape[1], weight.shape[0], bias=False)])
+        self.layers[0].weight.data.copy_(weight)
+        self.lm_head = nn.Linear(weight.shape[0], 16, bias=False)
+
+
+def on_grid(out_features: int = 96, in_features: int = 128, seed: int = 0) -> torch.Tensor:
+    """A weight on a 4-bit grid of 32-weight groups, as a Q4_1 GGUF's dequantized weights are.
+
+    Scales and group minimums are powers of two and small multiples of them, so bf16 holds them and
+    the kernel's arithmetic can be compared with F.linear exactly (up to summation order).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    groups = in_features // Q4_GROUP
+    codes = torch.randint(0, 16, (out_features, groups, Q4_GROUP), generator=generator).float()
+    codes[..., 0], codes[..., 1] = 0, 15  # every group spans its whole range, as llama.cpp's Q4_1 does
+    scale = 2.0 ** -torch.randint(4, 8, (out_features, groups, 1), generator=generator).float()
+    low = -8 * scale + scale * torch.randint(-2, 3, (out_features, groups, 1), generator=generator).float()
+    return (codes * scale + low).reshape(out_features, in_features)
+
+
+def bf16_exact(rows: int, features: int) -> torch.Tensor:
+    return torch.randn(rows, features).to(torch.bfloat16).float()
+
+
+def test_the_packed_weights_multiply_as_the_fp32_ones():
+    weight = on_grid()
+    model = pack_q4(TinyDecoder(weight))
+    layer = model.layers[0]
+    x = bf16_exact(5, 128)
+    got = q4_forward(layer, x)
+    assert got.dtype == torch.float32 and got.shape == (5, 96)
+    # bf16 output rounding is the only difference left: inputs, scales and zeros are exact in bf16.
+    torch.testing.assert_close(got, nn.functional.linear(x, weight), rtol=8e-3, atol=1e-3)
+
+
+def test_weights_off_a_4_bit_grid_are_refused_with_the_reason():
+    model = TinyDecoder(torch.randn(96, 128))
+    with pytest.raises(QuantizationError, match=r"not on a 4-bit grid of 32-weight groups .*would change the model"):
+        pack_q4(model)
+    assert mode_of(model) != Q4 and "forward" not in model.layers[0].__dict__
+
+
+def test_an_input_size_that_is_not_a_whole_number_of_groups_is_refused():
+    with pytest.raises(QuantizationError, match=r"input size \(100\) to be a multiple of 32"):
+        pack_q4(TinyDecoder(torch.zeros(96, 100)))
+
+
+def test_q4_runs_on_cpu_only():
+    with pytest.raises(QuantizationError, match="q4 weights run on CPU only .*int4 kernel.*cuda"):
+        check_mode(Q4, "cuda:0")
+    with pytest.raises(QuantizationError, match="unknown quantization 'q3'"):
+        check_mode("q3", "cpu")
+
+
+def test_steps_up_to_the_measured_rows_take_the_4_bit_route_and_longer_ones_fp32():
+    weight = on_grid()
+    model = quantize_model(TinyDecoder(weight), Q4)
+    layer = model.layers[0]
+    assert mode_of(model) == Q4 and not hasattr(model.lm_head, "q4_weight")
+    x = bf16_exact(9, 128)
+    # Packed but not yet measured: no step reads the 4-bit copy.
+    assert torch.equal(layer(x[:1]), nn.functional.linear(x[:1], weight))
+    layer.q4_max_rows = 4
+    for rows in (1, 4):
+        assert torch.equal(layer(x[:rows]), q4_forward(layer, x[:rows]))
+    for rows in (5, 9):
+        assert torch.equal(layer(x[:rows]), nn.functional.linear(x[:rows], weight))
+
+
+def test_longer_steps_of_a_packed_layer_keep_their_skinny_route():
+    weight = on_grid()
+    model = quantize_model(TinyDecoder(weight), Q4)
+    layer = model.layers[0]
+    q4_routed = layer.forward
+    use_skinny_linears(model, [8])
+    assert layer.forward == q4_routed, "the skinny routes must not replace the q4 routing"
+    assert "forward" in model.lm_head.__dict__
+    layer.q4_max_rows = 2
+    x = bf16_exact(8, 128)
+    assert torch.equal(layer(x[:2]), q4_forward(layer, x[:2]))
+    assert torch.equal(layer(x), skinny_linear_forward(layer, x))
+
+
+def test_the_measurement_routes_an_unbroken_run_of_winning_buckets():
+    model = quantize_model(TinyDecoder(on_grid(576, 1536)), Q4)
+    max_rows, timings = measure_q4_rows(model, repeats=1)
+    assert [rows for rows, _, _ in timings] == list(Q4_ROW_BUCKETS)
+    assert all(fp32 > 0 and q4 > 0 for _, fp32, q4 in timings)
+    assert max_rows in (0, *Q4_ROW_BUCKETS) and model.layers[0].q4_max_rows == max_rows
+    winners = [rows for rows, fp32, q4 in timings if q4 < 0.95 * fp32]
+    assert max_rows == 0 or winners[: Q4_ROW_BUCKETS.index(max_rows) + 1] == list(Q4_ROW_BUCKETS[: Q4_ROW_BUCKETS.index(max_rows) + 1])
+
+
+def test_the_real_model_serves_its_own_4_bit_codes_in_the_engine():
+    engine = Engine(replace(EngineConfig.from_settings(model_dir()), num_blocks=64, quantization=Q4))
+    engine.load(progress=lambda _: None)
+    packed = [m for m in engine.model.modules() if hasattr(m, "q4_weight")]
+    # 30 decoder layers × (q, k, v, o, gate, up, down); the tied lm_head stays fp32.
+    assert len(packed) == 210 and mode_of(engine.model) == Q4
+    assert engine.weights_bytes == weights_memory_bytes(engine.model)
+    # fp32 weights (513 MiB) stay for long steps; the 4-bit codes and bf16 scales add ~66 MiB.
+    assert 560 * 2**20 < engine.weights_bytes < 600 * 2**20
+    for layer in packed:  # force the 4-bit route whatever this machine measured, so this test exercises it
+        layer.q4_max_rows = 64
+    engine.start()
+    try:
+        prompt = engine.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+        handle = engine.submit("q4-capital", prompt, 12)
+        tokens = [token for event in handle.events(timeout=120) for token in event.new_tokens]
+        assert "Paris" in engine.tokenizer.decode(tokens)
+        stats = engine.stats()
+        assert (stats.quantization, stats.weights_bytes) == (Q4, engine.weights_bytes)
+    finally:
+        engine.stop()
