@@ -159,14 +159,15 @@ class RequestHandle:
             return item  # the pump made it already (a listened-to request's end)
         if item is _CANCELLED:
             return StreamEvent([], finished=True, finish_reason=FINISH_CANCELLED)
-        generated = list(item.generated_tokens)
-        new = generated[len(self.tokens) :]
-        self.tokens = generated
+        # Only the step's new tokens are copied: the pump calls this for every running request
+        # every step, and copying each whole answer so far made that quadratic in its length.
+        new = list(item.generated_tokens[len(self.tokens) :])
+        self.tokens.extend(new)
         if not item.is_finished():
             return StreamEvent(new)
         if item.error:
             return StreamEvent(new, finished=True, finish_reason=FINISH_ERROR, error=str(item.error))
-        reason = FINISH_STOP if generated and generated[-1] in self.eos_ids else FINISH_LENGTH
+        reason = FINISH_STOP if self.tokens and self.tokens[-1] in self.eos_ids else FINISH_LENGTH
         return StreamEvent(new, finished=True, finish_reason=reason)
 
 
