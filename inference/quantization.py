@@ -149,8 +149,9 @@ def pack_q4(model: nn.Module) -> nn.Module:
     layers = q4_layers(model)
     if not layers:
         raise QuantizationError("q4 found no decoder-layer linears to pack in this model")
-    for name, layer in layers:
-        packed, scales_and_zeros = q4_pack(layer.weight.detach(), name)
+    # Every layer is packed before any is changed: a refusal leaves the model as it was.
+    packs = [q4_pack(layer.weight.detach(), name) for name, layer in layers]
+    for (_, layer), (packed, scales_and_zeros) in zip(layers, packs, strict=True):
         layer.register_buffer("q4_weight", packed, persistent=False)
         layer.register_buffer("q4_scales_and_zeros", scales_and_zeros, persistent=False)
         layer.q4_max_rows = 0

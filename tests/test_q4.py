@@ -66,11 +66,12 @@ def test_the_packed_weights_multiply_as_the_fp32_ones():
     torch.testing.assert_close(got, nn.functional.linear(x, weight), rtol=8e-3, atol=1e-3)
 
 
-def test_weights_off_a_4_bit_grid_are_refused_with_the_reason():
-    model = TinyDecoder(torch.randn(96, 128))
-    with pytest.raises(QuantizationError, match=r"not on a 4-bit grid of 32-weight groups .*would change the model"):
+def test_weights_off_a_4_bit_grid_are_refused_with_the_reason_and_nothing_is_packed():
+    model = TinyDecoder(on_grid())
+    model.layers.append(nn.Linear(128, 96, bias=False))  # random weights: off any 4-bit grid
+    with pytest.raises(QuantizationError, match=r"of layers\.1's weights are not on a 4-bit grid of 32-weight groups .*would change the model"):
         pack_q4(model)
-    assert mode_of(model) != Q4 and "forward" not in model.layers[0].__dict__
+    assert mode_of(model) != Q4 and not any("forward" in layer.__dict__ for layer in model.layers)
 
 
 def test_an_input_size_that_is_not_a_whole_number_of_groups_is_refused():
