@@ -43,6 +43,7 @@ from budgets.models import Feature, TokenLog
 from . import bus, caches, modes
 from .actions import do_admit_request, do_finish_request, settle_reservation
 from .frames import ChatFrame
+from .models import Transcript
 from .tokenizer import chat_prompt_ids, input_too_long_by_count, input_too_long_by_size, model_name
 
 log = logging.getLogger(__name__)
@@ -269,15 +270,20 @@ async def _time_out(request_id: str, prompt_tokens: int, first_token_seen: bool)
 
 @database_sync_to_async
 def recover_from_ledger(request_id: str, streamed_text: str, next_seq: int) -> list[dict]:
-    """The end of a request the worker settled but whose last frames were lost; [] while it runs."""
-    row = TokenLog.objects.select_related("transcript").filter(request_id=request_id).first()
+    """The end of a request the worker settled but whose last frames were lost; [] while it runs.
+
+    Most checks find the request still running (64 chats arriving together wait over 5 s for their
+    first token here), so the transcript, with its prompt's messages and token ids as JSON, is read
+    only once the request has ended, and then only its answer's text.
+    """
+    row = TokenLog.objects.filter(request_id=request_id).first()
     if row is None or row.status == TokenLog.Status.RUNNING:
         return []
     if row.status == TokenLog.Status.FAILED:
         return [{"type": "error", "request_id": request_id, "code": "engine_failed",
                  "message": f"The model could not finish this answer: {row.error or 'unknown error'}."}]
     events = []
-    text = row.transcript.response_text if hasattr(row, "transcript") else ""
+    text = Transcript.objects.filter(log=row).values_list("response_text", flat=True).first() or ""
     if text.startswith(streamed_text) and len(text) > len(streamed_text):
         events.append({"type": "token", "request_id": request_id, "text": text[len(streamed_text):], "seq": next_seq})
     events.append({

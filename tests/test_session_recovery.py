@@ -9,6 +9,7 @@ import pytest
 
 from budgets.models import TokenLog
 from inference.actions import do_admit_request, do_finish_request
+from inference.models import Transcript
 from inference.session import recover_from_ledger
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -43,3 +44,12 @@ def test_a_failed_request_ends_with_an_error(alice, chat_feature):
                       text="", finish_reason="", ttft_ms=None, error="the engine stopped")
     [error] = asyncio.run(recover_from_ledger(request_id, "", 0))
     assert error["type"] == "error" and "the engine stopped" in error["message"]
+
+
+def test_a_settled_request_without_a_transcript_still_ends_with_its_usage(alice, chat_feature):
+    request_id = admitted(alice, chat_feature)
+    do_finish_request(request_id, status=TokenLog.Status.OK, prompt_tokens=3, completion_ids=[5, 6],
+                      text="Hi!", finish_reason="stop", ttft_ms=40)
+    Transcript.objects.filter(log__request_id=request_id).delete()  # as for a row written before transcripts
+    [done] = asyncio.run(recover_from_ledger(request_id, "Hi", 1))
+    assert done["type"] == "done" and done["usage"]["completion_tokens"] == 2
