@@ -39,7 +39,9 @@ CHECKS = [
 # Each admitted example runs the real model: answers are 2 tokens, alice may make ADMITTED requests
 # a day (the rest are refused by the guard, cheaply, which fuzzes the refusal path too), and a
 # failure is reported as found: shrinking against a live server would take minutes.
-ADMITTED = 4
+# One, so that two well-formed chat requests among the 25 examples exercise both paths: schemathesis'
+# examples vary from run to run despite derandomize (a CI run drew only 2 of 25 that the guard saw).
+ADMITTED = 1
 FUZZ = settings(
     max_examples=25,
     deadline=None,
