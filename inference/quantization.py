@@ -34,15 +34,13 @@ stays fp32.
 
 from __future__ import annotations
 
-import time
 import types
 import warnings
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from .skinny import routed_linear_forward
+from .skinny import routed_linear_forward, time_routes
 
 NONE = "none"
 INT8 = "int8"
@@ -210,15 +208,12 @@ def measure_q4_rows(model: nn.Module, repeats: int = 3) -> tuple[int, list[tuple
     competes with the route fp32 steps would really take.
     """
     layers = [m for m in model.modules() if hasattr(m, "q4_weight")]
+    routes = {"fp32": routed_linear_forward, "q4": q4_forward}
     timings = []
     with torch.inference_mode():
         for rows in Q4_ROW_BUCKETS:
-            inputs = {layer.in_features: torch.randn(rows, layer.in_features) for layer in layers}
-            best = {"fp32": float("inf"), "q4": float("inf")}
-            for _ in range(repeats):
-                for route, forward in (("fp32", routed_linear_forward), ("q4", q4_forward)):
-                    best[route] = min(best[route], _one_pass(layers, inputs, forward))
-            timings.append((rows, best["fp32"] * 1e3, best["q4"] * 1e3))
+            timed = time_routes(layers, rows, routes, repeats)
+            timings.append((rows, timed["fp32"], timed["q4"]))
     max_rows = 0
     for rows, fp32_ms, q4_ms in timings:
         if q4_ms >= (1 - Q4_MIN_GAIN) * fp32_ms:
@@ -227,13 +222,6 @@ def measure_q4_rows(model: nn.Module, repeats: int = 3) -> tuple[int, list[tuple
     for layer in layers:
         layer.q4_max_rows = max_rows
     return max_rows, timings
-
-
-def _one_pass(layers: list[nn.Linear], inputs: dict, forward: Callable) -> float:
-    started = time.perf_counter()
-    for layer in layers:
-        forward(layer, inputs[layer.in_features])
-    return time.perf_counter() - started
 
 
 def describe_q4(max_rows: int, timings: list[tuple[int, float, float]]) -> str:

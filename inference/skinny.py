@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -81,19 +81,29 @@ def measure_row_buckets(linears: list[nn.Linear], repeats: int = 3) -> list[Buck
     A whole pass over the model's weights (hundreds of MB) keeps the measurement cache-cold, as in
     a real step; the two routes alternate so a slow moment of the machine falls on both.
     """
+    routes = {"plain": _plain_forward, "skinny": skinny_linear_forward}
     timings = []
     with torch.inference_mode():
         for rows in ROW_BUCKETS:
-            inputs = {layer.in_features: torch.randn(rows, layer.in_features, dtype=layer.weight.dtype) for layer in linears}
-            best = {"plain": float("inf"), "skinny": float("inf")}
-            for _ in range(repeats):
-                for route, forward in (("plain", _plain_forward), ("skinny", skinny_linear_forward)):
-                    started = time.perf_counter()
-                    for layer in linears:
-                        forward(layer, inputs[layer.in_features])
-                    best[route] = min(best[route], time.perf_counter() - started)
-            timings.append(BucketTiming(rows, best["plain"] * 1e3, best["skinny"] * 1e3))
+            timed = time_routes(linears, rows, routes, repeats)
+            timings.append(BucketTiming(rows, timed["plain"], timed["skinny"]))
     return timings
+
+
+def time_routes(layers: list[nn.Linear], rows: int, routes: dict[str, Callable], repeats: int) -> dict[str, float]:
+    """Each route's best time (ms) for one pass over the layers with `rows` token rows.
+
+    The routes alternate within each repeat so a slow moment of the machine falls on all of them.
+    """
+    inputs = {layer.in_features: torch.randn(rows, layer.in_features, dtype=layer.weight.dtype) for layer in layers}
+    best = dict.fromkeys(routes, float("inf"))
+    for _ in range(repeats):
+        for route, forward in routes.items():
+            started = time.perf_counter()
+            for layer in layers:
+                forward(layer, inputs[layer.in_features])
+            best[route] = min(best[route], time.perf_counter() - started)
+    return {route: seconds * 1e3 for route, seconds in best.items()}
 
 
 def _plain_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
