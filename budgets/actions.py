@@ -13,7 +13,7 @@ from django.db import IntegrityError, models, transaction
 from django.utils import timezone
 
 from .live import publish_on_commit
-from .models import Alert, AuditEntry, Feature, Quota, TokenLog
+from .models import Alert, AuditEntry, Feature, Quota, TokenLog, unique_row
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def do_record_usage(
     Returns False when it was already settled (a replay changes nothing).
     """
     now = timezone.now()
-    log = TokenLog.objects.filter(request_id=request_id).select_related("price").first()
+    log = unique_row(TokenLog.objects.filter(request_id=request_id).select_related("price"))
     if log is None:
         return False
     cost = log.price.cost_micro_usd(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if log.price else 0

@@ -14,13 +14,14 @@ window a flush at that exact moment could miss; see the README.)
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
 
 import redis
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
@@ -210,25 +211,37 @@ def admit(request: AdmissionRequest, now: datetime | None = None) -> Decision:
     return Decision(True, request.request_id, max_tokens=result.granted_tokens, warning=warning, log=row)
 
 
-def _open_row(request, provider, price, ceilings, now) -> tuple[TokenLog, bool]:
-    with transaction.atomic():
-        row, created = TokenLog.objects.get_or_create(
-            request_id=request.request_id,
-            defaults=dict(
-                user=request.user,
-                feature=request.feature,
-                provider=provider,
-                price=price,
-                model=request.model,
-                loop_id=request.loop.loop_id if request.loop else "",
-                status=TokenLog.Status.RUNNING,
-                prompt_tokens=request.prompt_tokens,
-                max_tokens=request.max_tokens,
-                counter_keys=[c.spec.key for c in ceilings],
-                created_at=now,
-            ),
-        )
-    return row, created
+def _open_row(request, provider, price, ceilings, now) -> tuple[TokenLog | None, bool]:
+    """(the new running row, True), or (None, False) when this request id is in the ledger already.
+
+    One INSERT, not get_or_create's SELECT + INSERT under a savepoint: a duplicate id is rare and the
+    unique index decides it; every admission pays for the round trips and the ORM's query building.
+    """
+    row = TokenLog(
+        request_id=request.request_id,
+        user=request.user,
+        feature=request.feature,
+        provider=provider,
+        price=price,
+        model=request.model,
+        loop_id=request.loop.loop_id if request.loop else "",
+        status=TokenLog.Status.RUNNING,
+        prompt_tokens=request.prompt_tokens,
+        max_tokens=request.max_tokens,
+        counter_keys=[c.spec.key for c in ceilings],
+        created_at=now,
+    )
+    # In autocommit mode the INSERT is a transaction of its own; inside a caller's transaction a
+    # savepoint keeps a duplicate's IntegrityError from breaking it.
+    in_transaction = transaction.atomic() if connection.in_atomic_block else nullcontext()
+    try:
+        with in_transaction:
+            row.save(force_insert=True)
+    except IntegrityError:
+        if not TokenLog.objects.filter(request_id=request.request_id).exists():
+            raise  # another constraint failed: not a duplicate
+        return None, False
+    return row, True
 
 
 def _admit_with_rebuild(request, ceilings, price, now) -> AdmitResult:

@@ -7,6 +7,15 @@ from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
 
 
+def unique_row(queryset: models.QuerySet) -> models.Model | None:
+    """The row a filter on a unique key matches, or None.
+
+    `.first()` would order by the primary key, and building and running that ORDER BY is a third of
+    such a read's cost on the hot paths (every admission and every task).
+    """
+    return next(iter(queryset[:1]), None)
+
+
 class Period(models.TextChoices):
     DAY = "day"
     MONTH = "month"

@@ -8,7 +8,7 @@ from django.db import transaction
 from budgets.actions import Usage, do_record_usage, do_save_with_audit, snapshot
 from budgets.alerts import check_provider_thresholds_safely
 from budgets.guard import AdmissionRequest, Decision, LoopLimits, admit, settle
-from budgets.models import Feature, TokenLog
+from budgets.models import Feature, TokenLog, unique_row
 
 from .models import QuantizationEvaluation, QuantizationPolicy, Transcript
 
@@ -78,7 +78,7 @@ def do_finish_request(
 
 def settle_reservation(request_id: str) -> bool:
     """Release a finished request's reservation in the guard; safe to call any number of times."""
-    row = TokenLog.objects.select_related("provider").filter(request_id=request_id).first()
+    row = unique_row(TokenLog.objects.select_related("provider").filter(request_id=request_id))
     if row is None or row.status in (TokenLog.Status.RUNNING, TokenLog.Status.REFUSED) or not row.admitted:
         return False
     settled = settle(row)

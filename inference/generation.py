@@ -17,7 +17,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from budgets.models import Provider, TokenLog
+from budgets.models import Provider, TokenLog, unique_row
 
 from . import bus, remote
 from .actions import do_finish_request, settle_reservation
@@ -98,7 +98,7 @@ def run_generation(request_id: str, reply_to: str = "") -> None:
 
 
 def _generate(request_id: str, reply_to: str) -> None:
-    log_row = TokenLog.objects.select_related("transcript", "provider", "feature").filter(request_id=request_id).first()
+    log_row = unique_row(TokenLog.objects.select_related("transcript", "provider", "feature").filter(request_id=request_id))
     if log_row is None:
         log.warning("generate: unknown request %s", request_id)
         return

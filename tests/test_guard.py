@@ -13,7 +13,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 from django.conf import settings
-from django.db import connection
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from budgets.actions import Usage, do_record_usage
@@ -27,7 +27,7 @@ from budgets.guard import (
     ledger_sums,
     settle,
 )
-from budgets.models import ModelPrice, Provider, Quota, TokenLog
+from budgets.models import Feature, ModelPrice, Provider, Quota, TokenLog
 from project import stack
 from tests.conftest import _test_database_url
 
@@ -147,6 +147,28 @@ def test_the_same_request_id_admitted_10_times_at_once_is_admitted_once(alice, c
     assert state.used.requests == 1 == used.requests and state.used.tokens == 15
     assert state.reserved.requests == 0
     assert winner.request_id == same.request_id
+
+
+def test_a_duplicate_inside_a_callers_transaction_leaves_that_transaction_usable(alice, chat_feature):
+    # The ledger row is one INSERT; inside a transaction its unique-key failure must stay in a savepoint.
+    Quota.objects.create(period="day", max_requests=100)
+    same = request(alice, chat_feature)
+    with transaction.atomic():
+        assert admit(same).admitted
+        again = admit(same)
+        assert not again.admitted and again.code == "duplicate_request"
+        assert TokenLog.objects.filter(request_id=same.request_id).count() == 1  # still usable
+    assert TokenLog.objects.get(request_id=same.request_id).admitted
+
+
+def test_an_integrity_failure_that_is_not_a_duplicate_is_raised_not_refused(alice, chat_feature):
+    gone = Feature.objects.create(name="gone")
+    gone_pk = gone.pk
+    gone.delete()
+    gone.pk = gone_pk  # an object whose row no longer exists: its foreign key fails
+    with pytest.raises(IntegrityError):
+        admit(request(alice, gone))
+    assert not TokenLog.objects.filter(feature_id=gone_pk).exists()
 
 
 def test_counters_wiped_under_load_are_rebuilt_from_the_ledger_with_no_overshoot(alice, chat_feature, redis_db):
