@@ -126,6 +126,7 @@ class Feature(models.Model):
         NONE = "none", "full precision"
         INT8 = "int8", "int8 weights"
         Q4 = "q4", "4-bit weights (decode steps)"
+        BF16 = "bf16", "bf16 weights"
 
     # Which weights of the local model serve this feature. Not in the feature form: staff switch it
     # on the feature page, only after an evaluation passed (inference.actions.do_switch_quantization).

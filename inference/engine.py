@@ -59,7 +59,7 @@ class EngineConfig:
     attention: str = "varlen"
     # CPU decode steps' linear layers as W·xᵀ where that measures faster at load (inference/skinny.py).
     skinny_linear: bool = True
-    # "none", "int8" or "q4" (inference/quantization.py): how the weights are stored once loaded.
+    # "none", "int8", "q4" or "bf16" (inference/quantization.py): how the weights are stored once loaded.
     quantization: str = "none"
 
     @classmethod

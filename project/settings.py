@@ -289,11 +289,12 @@ CEILING_STREAM_INTERVAL = envint("CEILING_STREAM_INTERVAL", 1, minimum=1)
 # Benchmarks only: generate exactly max_tokens, ignoring end-of-sequence (manage.py bench's stack mode).
 CEILING_IGNORE_EOS = envbool("CEILING_IGNORE_EOS", False)
 # The weight variant a worker loads at start ("none" = full precision, "int8" = int8 linear layers on
-# CPU, "q4" = the GGUF's 4-bit weights for decode steps on CPU); a feature switched to another
+# CPU, "q4" = the GGUF's 4-bit weights for decode steps on CPU, "bf16" = bfloat16 weights and
+# arithmetic, fast on CPUs with AMX or AVX512-BF16); a feature switched to another
 # variant makes the worker load that one too (inference/engine.py, inference/quantization.py).
 CEILING_QUANTIZATION = envstr("CEILING_QUANTIZATION", "none")
-if CEILING_QUANTIZATION not in ("none", "int8", "q4"):
-    raise ImproperlyConfigured(f"CEILING_QUANTIZATION={CEILING_QUANTIZATION!r} is not one of none, int8, q4")
+if CEILING_QUANTIZATION not in ("none", "int8", "q4", "bf16"):
+    raise ImproperlyConfigured(f"CEILING_QUANTIZATION={CEILING_QUANTIZATION!r} is not one of none, int8, q4, bf16")
 # Start the engine in every Celery worker process that consumes the "inference" queue.
 CEILING_ENGINE_AUTOSTART = envbool("CEILING_ENGINE_AUTOSTART", True)
 

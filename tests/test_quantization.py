@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+import torch
 from django.test import Client
 
 from budgets.models import AuditEntry, Feature
@@ -15,7 +16,7 @@ from inference.engine import Engine, EngineConfig
 from inference.evaluate import compare, is_correct, load_prompts, score
 from inference.modelfiles import model_dir
 from inference.models import QuantizationEvaluation, QuantizationPolicy
-from inference.quantization import INT8, NONE, Q4, mode_of, weights_memory_bytes
+from inference.quantization import BF16, INT8, NONE, Q4, mode_of, weights_memory_bytes
 from tests.conftest import engine_stats, session_cookie, wait_for
 from tests.wsclient import chat, chat_frame
 
@@ -41,6 +42,13 @@ def int8():
     engine.stop()
 
 
+@pytest.fixture(scope="module")
+def bf16():
+    engine = _engine(BF16)
+    yield engine
+    engine.stop()
+
+
 @pytest.fixture
 def staff_client(staff) -> Client:
     client = Client()
@@ -57,6 +65,18 @@ def test_int8_weights_take_under_half_the_memory_and_answer_in_the_engine(full_p
     assert answers[0]["candidate_ids"], "the int8 model produced no tokens in the continuous-batching engine"
     stats = int8.stats()
     assert (stats.quantization, stats.weights_bytes) == (INT8, int8.weights_bytes)
+
+
+def test_bf16_weights_take_half_the_memory_and_answer_in_the_engine(full_precision, bf16):
+    assert mode_of(bf16.model) == BF16
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
+    assert bf16.weights_bytes == full_precision.weights_bytes // 2  # every weight, 2 bytes instead of 4
+    run = compare(full_precision, bf16, load_prompts("chat")[:2], workload_requests=2, max_new_tokens=12)
+    for answer in run.answers:
+        assert answer["candidate_ids"], "the bf16 model produced no tokens in the continuous-batching engine"
+        assert answer["candidate"].strip()
+    stats = bf16.stats()
+    assert (stats.quantization, stats.weights_bytes) == (BF16, bf16.weights_bytes)
 
 
 def test_an_evaluation_on_a_subset_stores_answers_its_numbers_can_be_recomputed_from(full_precision, int8, chat_feature):

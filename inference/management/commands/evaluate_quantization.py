@@ -1,4 +1,4 @@
-"""Full precision vs quantized weights (int8 or q4) on a feature's own prompts; stores the run and prints it side by side."""
+"""Full precision vs quantized weights (int8, q4 or bf16) on a feature's own prompts; stores the run and prints it side by side."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from inference.actions import do_record_evaluation
 from inference.engine import Engine, EngineConfig
 from inference.evaluate import MAX_NEW_TOKENS, EvaluationError, compare, load_prompts
 from inference.modelfiles import model_dir
-from inference.quantization import INT8, NONE, Q4, QuantizationError
+from inference.quantization import BF16, INT8, NONE, Q4, QuantizationError
 
 
 class Command(BaseCommand):
@@ -21,7 +21,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--feature", required=True, help="a feature with a prompt set in inference/evaluation/")
-        parser.add_argument("--mode", default=INT8, choices=[INT8, Q4], help="the quantization to evaluate")
+        parser.add_argument("--mode", default=INT8, choices=[INT8, Q4, BF16], help="the quantization to evaluate")
         parser.add_argument("--limit", type=int, help="answer only the first N prompts (a partial run approves nothing)")
         parser.add_argument("--json", dest="json_path", help="also write the results as JSON to this path ('-' = stdout)")
         parser.add_argument("--workload", type=int, default=24, help="requests in the mixed throughput workload")
