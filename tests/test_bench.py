@@ -206,3 +206,15 @@ def test_repeated_rounds_report_each_modes_median_run(transactional_db, tmp_path
 def test_a_json_path_in_a_missing_folder_is_refused(tmp_path):
     with pytest.raises(CommandError, match="does not exist"):
         call_command("bench", "--json", str(tmp_path / "no" / "b.json"), stdout=io.StringIO())
+
+
+def test_the_stack_modes_feature_is_served_by_the_variant_under_test(transactional_db):
+    # A worker answers a feature with the feature's own variant: left at "none", a bf16 stack run
+    # would load and measure the fp32 engine beside the bf16 one the worker started with.
+    from budgets.models import Feature
+    from inference.bench.stack import BENCH_FEATURE, prepare_bench_user
+
+    assert prepare_bench_user("bf16")
+    assert Feature.objects.get(name=BENCH_FEATURE).quantization == "bf16"
+    prepare_bench_user("none")
+    assert Feature.objects.get(name=BENCH_FEATURE).quantization == "none"

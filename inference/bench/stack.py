@@ -33,7 +33,7 @@ BENCH_FEATURE = "bench"
 
 def run_stack(requests: list[BenchRequest], *, threads: int, engine_env: dict[str, str], log_dir: Path,
               progress=print) -> ModeResult:
-    cookie = prepare_bench_user()
+    cookie = prepare_bench_user(engine_env.get("CEILING_QUANTIZATION", settings.CEILING_QUANTIZATION))
     with bench_stack(len(requests), threads, engine_env, log_dir, progress) as (port, processes, worker):
         url = f"ws://127.0.0.1:{port}/ws/chat/"
         origin = f"http://127.0.0.1:{port}"
@@ -53,8 +53,14 @@ def run_stack(requests: list[BenchRequest], *, threads: int, engine_env: dict[st
     return ModeResult(summarise(timings, peak_rss), extra=extra, timings=timing_rows(timings))
 
 
-def prepare_bench_user() -> str:
-    """The bench user (no caps) and feature (no caches); returns a session cookie for the user."""
+def prepare_bench_user(quantization: str) -> str:
+    """The bench user (no caps) and feature (no caches); returns a session cookie for the user.
+
+    The feature is served by the weight variant under test: a worker answers each feature with the
+    feature's own variant, so a bench feature left at "none" would load and run the fp32 engine
+    beside the variant the worker started with. (The bench's feature skips the evaluation gate; it
+    is the bench's own, not one users call.)
+    """
     from django.contrib.auth import get_user_model
     from django.test import Client
 
@@ -79,6 +85,7 @@ def prepare_bench_user() -> str:
             "max_input_tokens": 4096,
             "max_output_tokens": MAX_OUTPUT_TOKENS,
             "cache_ttl_s": 0,
+            "quantization": quantization,
         },
     )
     client = Client()
