@@ -136,7 +136,11 @@ def switch_refusal(feature: Feature, mode: str) -> str | None:
         return None
     if mode not in Feature.Quantization.values:
         return f"{mode!r} is not a weight variant this stack serves."
-    latest = QuantizationEvaluation.latest_for(feature, mode)
+    return evaluation_refusal(feature, mode, QuantizationEvaluation.latest_for(feature, mode))
+
+
+def evaluation_refusal(feature: Feature, mode: str, latest: QuantizationEvaluation | None) -> str | None:
+    """switch_refusal's verdict from `mode`'s latest evaluation, for a caller that has read it already."""
     command = f"python manage.py evaluate_quantization --feature {feature.name} --mode {mode}"
     if latest is None:
         return f"No {mode} evaluation of {feature.name} has been run yet: run `{command}` first."

@@ -273,19 +273,17 @@ def feature_detail(request: HttpRequest, feature_id: int) -> HttpResponse:
 
 def _quantization_context(feature: Feature) -> dict:
     """Each quantized variant's latest evaluation of the feature and why a switch to it would be refused (or None)."""
-    from inference.actions import switch_refusal
+    from inference.actions import evaluation_refusal
     from inference.models import QuantizationEvaluation
 
-    candidates = [
-        {
-            "mode": mode,
-            "label": label,
-            "evaluation": QuantizationEvaluation.latest_for(feature, mode),
-            "switch_refusal": switch_refusal(feature, mode),
-        }
-        for mode, label in Feature.Quantization.choices
-        if mode != Feature.Quantization.NONE
-    ]
+    candidates = []
+    for mode, label in Feature.Quantization.choices:
+        if mode == Feature.Quantization.NONE:
+            continue
+        latest = QuantizationEvaluation.latest_for(feature, mode)  # one query per variant, read once
+        candidates.append(
+            {"mode": mode, "label": label, "evaluation": latest, "switch_refusal": evaluation_refusal(feature, mode, latest)}
+        )
     return {"candidates": candidates}
 
 
