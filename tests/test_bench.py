@@ -167,6 +167,12 @@ def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transa
     assert details["extras"]["engine"]["peak_running_batch"] >= 1
     assert 0 < details["extras"]["stack"]["connect_ms_p50"] <= details["extras"]["stack"]["connect_ms_p99"]
     assert "handshake p50" in printed.getvalue()
+    # The stack's TTFT in three parts, from each request's ledger row; they add up to the client's TTFT.
+    stack = details["extras"]["stack"]
+    assert 0 <= stack["ttft_to_guard_p50_ms"] <= stack["ttft_to_guard_max_ms"] < result["modes"]["stack"]["ttft_p99_ms"]
+    assert 0 < stack["ttft_guard_to_first_token_p50_ms"] <= stack["ttft_guard_to_first_token_max_ms"]
+    assert stack["ttft_to_client_p50_ms"] > -2  # the first frame's way back (the ledger keeps whole ms)
+    assert "frame → guard" in printed.getvalue()
     assert len(details["timings"]["stack"]) == 3 and len(details["prefix"]["ttft_ms_on"]) == 3
     report = page.read_text()
     assert report.count('class="plotly-graph-div"') == 3 and report.count("Plotly.newPlot(") == 3

@@ -35,6 +35,7 @@ class RequestTiming:
     finished: float | None = None
     output_tokens: int = 0
     error: str | None = None
+    request_id: str | None = None  # the stack's: from its `accepted` frame, to find its ledger row
 
     @property
     def ttft_ms(self) -> float:

@@ -69,6 +69,12 @@ def table(result: dict, extras: dict[str, dict]) -> str:
         stack = extras["stack"]
         lines.append(f"stack: chat sockets opened before the clock started (as the chat page does); "
                      f"handshake p50 {stack['connect_ms_p50']:g} ms, p99 {stack['connect_ms_p99']:g} ms")
+    if "ttft_to_guard_p50_ms" in extras.get("stack", {}):
+        stack = extras["stack"]
+        lines.append("stack TTFT, p50 (max) ms: frame → guard " + f"{stack['ttft_to_guard_p50_ms']:g} ({stack['ttft_to_guard_max_ms']:g}), "
+                     f"guard → first token in the worker {stack['ttft_guard_to_first_token_p50_ms']:g} "
+                     f"({stack['ttft_guard_to_first_token_max_ms']:g}), → client {stack['ttft_to_client_p50_ms']:g} "
+                     f"({stack['ttft_to_client_max_ms']:g})")
     if result["prefix"]:
         p = result["prefix"]
         lines.append(f"prefix caching: TTFT p50 {p['ttft_p50_ms_on']:g} ms on, {p['ttft_p50_ms_off']:g} ms off")

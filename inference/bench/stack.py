@@ -43,14 +43,47 @@ def run_stack(requests: list[BenchRequest], *, threads: int, engine_env: dict[st
             raise BenchError(f"the stack's warm-up chat failed: {warm_up.error}")
         sampler = WorkerSampler(worker)
         sampler.start()
+        # The wall clock beside perf_counter: the ledger's timestamps are wall-clock times.
+        wall_minus_perf = time.time() - time.perf_counter()
         timings, connect_ms = asyncio.run(replay_over_websockets(url, origin, cookie, requests))
         sampler.stop()
         # daphne + the worker: everything this mode needs beyond the clients.
         peak_rss = sum(process_peak_rss_mb(p.pid) for p in processes)
     extra = sampler.figures() | {
         "connect_ms_p50": round(percentile(connect_ms, 50), 1), "connect_ms_p99": round(percentile(connect_ms, 99), 1),
-    }
+    } | ttft_parts(timings, wall_minus_perf)
     return ModeResult(summarise(timings, peak_rss), extra=extra, timings=timing_rows(timings))
+
+
+def ttft_parts(timings: list[RequestTiming], wall_minus_perf: float) -> dict:
+    """Where the stack's TTFT goes, from each request's ledger row (p50 and max, ms).
+
+    - to_guard: chat frame sent → the guard starts (TokenLog.created_at): the socket, the feature
+      lookup and tokenizing in daphne;
+    - guard_to_first_token: the worker's own TTFT (TokenLog.ttft_ms): the guard, the dispatch, the
+      broker, the engine's queue and its prefill;
+    - to_client: what is left of the client's TTFT, the first frame's way back.
+    A burst's late start shows in guard_to_first_token: the engine gets the first chats while the
+    rest are still being admitted on the same cores (docs/benchmarks.md).
+    """
+    from budgets.models import TokenLog
+
+    rows = {r.request_id: r for r in TokenLog.objects.filter(request_id__in=[t.request_id for t in timings if t.request_id])}
+    to_guard, in_worker, to_client = [], [], []
+    for timing in timings:
+        row = rows.get(timing.request_id)
+        if row is None or row.ttft_ms is None or timing.first_token is None:
+            continue
+        before_guard = (row.created_at.timestamp() - (timing.arrival + wall_minus_perf)) * 1000
+        to_guard.append(before_guard)
+        in_worker.append(row.ttft_ms)
+        to_client.append(timing.ttft_ms - before_guard - row.ttft_ms)
+    parts = {}
+    for name, values in (("to_guard", to_guard), ("guard_to_first_token", in_worker), ("to_client", to_client)):
+        if values:
+            parts[f"ttft_{name}_p50_ms"] = round(percentile(values, 50), 1)
+            parts[f"ttft_{name}_max_ms"] = round(max(values), 1)
+    return parts
 
 
 def prepare_bench_user(quantization: str) -> str:
@@ -217,7 +250,9 @@ async def _one_chat(ws, request: BenchRequest, timing: RequestTiming) -> None:
         while True:
             message = json.loads(await asyncio.wait_for(ws.recv(), timeout=600))
             now = time.perf_counter()
-            if message["type"] == "token" and timing.first_token is None:
+            if message["type"] == "accepted":
+                timing.request_id = message["request_id"]
+            elif message["type"] == "token" and timing.first_token is None:
                 timing.first_token = now
             elif message["type"] == "done":
                 timing.finished = now
