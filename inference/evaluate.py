@@ -162,36 +162,70 @@ class Run:
     candidate_weights_bytes: int
 
 
-def compare(
-    baseline: Engine, candidate: Engine, prompts: Sequence[dict], *, workload_requests: int = 24, seed: int = 0,
+@dataclass
+class VariantRun:
+    """One variant's answers and throughput, measured while it was the only engine computing."""
+
+    answer_ids: list[list[int]]
+    answer_texts: list[str]
+    tokens_per_s: float
+    weights_bytes: int
+
+
+def run_variant(
+    engine: Engine, prompts: Sequence[dict], workload: Sequence[tuple[str, int]], *,
     max_new_tokens: int = MAX_NEW_TOKENS, concurrency: int = 8, progress=print,
-) -> Run:
-    progress(f"Answering {len(prompts)} prompts with the {baseline.config.quantization} model…")
-    baseline_ids = answer_prompts(baseline, prompts, max_new_tokens=max_new_tokens, concurrency=concurrency)
-    progress(f"Answering {len(prompts)} prompts with the {candidate.config.quantization} model…")
-    candidate_ids = answer_prompts(candidate, prompts, max_new_tokens=max_new_tokens, concurrency=concurrency)
+) -> VariantRun:
+    progress(f"Answering {len(prompts)} prompts with the {engine.config.quantization} model…")
+    ids = answer_prompts(engine, prompts, max_new_tokens=max_new_tokens, concurrency=concurrency)
+    progress(f"Measuring the {engine.config.quantization} model's tokens/s on a mixed workload of {len(workload)} requests…")
+    return VariantRun(
+        answer_ids=ids,
+        answer_texts=[engine.tokenizer.decode(i, skip_special_tokens=True) for i in ids],
+        tokens_per_s=tokens_per_s(engine, workload),
+        weights_bytes=engine.weights_bytes,
+    )
+
+
+def combine(prompts: Sequence[dict], baseline: VariantRun, candidate: VariantRun, workload_requests: int) -> Run:
     answers = [
         {
             "id": prompt["id"],
             "prompt": prompt["prompt"],
             "accept": prompt.get("accept", []),
-            "baseline": baseline.tokenizer.decode(b, skip_special_tokens=True),
-            "candidate": candidate.tokenizer.decode(c, skip_special_tokens=True),
+            "baseline": b_text,
+            "candidate": c_text,
             "baseline_ids": b,
             "candidate_ids": c,
         }
-        for prompt, b, c in zip(prompts, baseline_ids, candidate_ids, strict=True)
+        for prompt, b, c, b_text, c_text in zip(
+            prompts, baseline.answer_ids, candidate.answer_ids, baseline.answer_texts, candidate.answer_texts, strict=True
+        )
     ]
-    workload = mixed_workload(prompts, workload_requests, seed)
-    progress(f"Measuring tokens/s on a mixed workload of {workload_requests} requests…")
-    baseline_tps = tokens_per_s(baseline, workload)
-    candidate_tps = tokens_per_s(candidate, workload)
     return Run(
         answers=answers,
         scores=score(answers),
-        baseline_tokens_per_s=baseline_tps,
-        candidate_tokens_per_s=candidate_tps,
+        baseline_tokens_per_s=baseline.tokens_per_s,
+        candidate_tokens_per_s=candidate.tokens_per_s,
         workload_requests=workload_requests,
         baseline_weights_bytes=baseline.weights_bytes,
         candidate_weights_bytes=candidate.weights_bytes,
+    )
+
+
+def compare(
+    baseline: Engine, candidate: Engine, prompts: Sequence[dict], *, workload_requests: int = 24, seed: int = 0,
+    max_new_tokens: int = MAX_NEW_TOKENS, concurrency: int = 8, progress=print,
+) -> Run:
+    """Both variants on the same prompts and workload, with both engines already running.
+
+    manage.py evaluate_quantization runs one engine at a time instead (run_variant, then combine):
+    an idle engine keeps its OpenMP team, and two teams on 2 cores throttle each other's barriers,
+    which made both variants' throughput ~2× slower there and the comparison unfair.
+    """
+    workload = mixed_workload(prompts, workload_requests, seed)
+    options = dict(max_new_tokens=max_new_tokens, concurrency=concurrency, progress=progress)
+    return combine(
+        prompts, run_variant(baseline, prompts, workload, **options), run_variant(candidate, prompts, workload, **options),
+        workload_requests,
     )

@@ -4,10 +4,12 @@ switch a feature to them only after the latest evaluation passed."""
 from __future__ import annotations
 
 import asyncio
+import io
 from dataclasses import replace
 
 import pytest
 import torch
+from django.core.management import call_command
 from django.test import Client
 
 from budgets.models import AuditEntry, Feature
@@ -218,3 +220,21 @@ def _evaluation(feature: Feature, *, baseline_correct: int, candidate_correct: i
         candidate_weights_bytes=251_000_000,
     )
     return do_record_evaluation(feature, INT8, run, prompt_set_size=60)
+
+
+def test_the_evaluation_command_measures_one_engine_at_a_time(chat_feature):
+    # An idle engine keeps its OpenMP team, and two teams on 2 cores slowed both variants ~1.6× (docs):
+    # the full-precision engine is measured and stopped before the candidate is loaded.
+    from inference.models import QuantizationEvaluation
+
+    printed, log = io.StringIO(), io.StringIO()
+    call_command("evaluate_quantization", "--feature", "chat", "--mode", "bf16", "--limit", "2", "--workload", "2",
+                 "--max-new-tokens", "8", stdout=printed, stderr=log)
+    progress = log.getvalue()
+    baseline_measured = progress.index("Measuring the none model's tokens/s")
+    assert progress.index("(bf16, weights") > baseline_measured
+    assert progress.index("Measuring the bf16 model's tokens/s") > baseline_measured
+    row = QuantizationEvaluation.latest_for(chat_feature, "bf16")
+    assert row.answered == 2 and not row.complete  # a --limit run is stored but approves nothing
+    assert row.baseline_tokens_per_s > 0 and row.candidate_tokens_per_s > 0
+    assert "full precision" in printed.getvalue() and "bf16" in printed.getvalue()

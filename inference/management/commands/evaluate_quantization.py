@@ -11,7 +11,7 @@ from django.core.management.base import BaseCommand, CommandError
 from budgets.models import Feature
 from inference.actions import do_record_evaluation
 from inference.engine import Engine, EngineConfig
-from inference.evaluate import MAX_NEW_TOKENS, EvaluationError, compare, load_prompts
+from inference.evaluate import MAX_NEW_TOKENS, EvaluationError, combine, load_prompts, mixed_workload, run_variant
 from inference.modelfiles import model_dir
 from inference.quantization import BF16, INT8, NONE, Q4, QuantizationError
 
@@ -42,13 +42,17 @@ class Command(BaseCommand):
         except EvaluationError as exc:
             raise CommandError(str(exc)) from None
         chosen = prompts[:limit] if limit else prompts
-        baseline, candidate = (self._engine(variant) for variant in (NONE, mode))
-        try:
-            run = compare(baseline, candidate, chosen, workload_requests=workload, max_new_tokens=max_new_tokens,
-                          concurrency=concurrency, progress=self.stderr.write)
-        finally:
-            baseline.stop()
-            candidate.stop()
+        requests = mixed_workload(chosen, workload, seed=0)
+        runs = []
+        for variant in (NONE, mode):
+            # One engine at a time: an idle engine's OpenMP team would slow the other's (evaluate.compare).
+            engine = self._engine(variant)
+            try:
+                runs.append(run_variant(engine, chosen, requests, max_new_tokens=max_new_tokens,
+                                        concurrency=concurrency, progress=self.stderr.write))
+            finally:
+                engine.stop()
+        run = combine(chosen, *runs, workload_requests=workload)
         row = do_record_evaluation(target, mode, run, prompt_set_size=len(prompts))
         report = as_report(row)
         self.stdout.write(render_table(report))
