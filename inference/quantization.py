@@ -36,7 +36,8 @@ with AMX or AVX512-BF16 run fast: on session 18's Intel Xeon a 512-row product r
 GFLOP/s in bf16 against 281 in fp32, so prefill chunks and large decode batches speed up most. It
 rounds each weight to 8 bits of mantissa (the GGUF's Q4_1 values are not all bf16 numbers), so it
 is a change of numerics like the others and passes the same evaluation gate. On a CPU without bf16
-instructions torch emulates it, and the gate's throughput criterion refuses it there. On CUDA the
+instructions torch emulates it (not measured here); the gate's throughput criterion is what
+would keep it off there. On CUDA the
 full-precision model is bf16 already, so the variant changes nothing.
 """
 
