@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from decimal import Decimal
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, models, transaction
@@ -14,6 +13,7 @@ from django.utils import timezone
 
 from .live import publish_on_commit
 from .models import Alert, AuditEntry, Feature, Quota, TokenLog, unique_row
+from .money import exact_usd
 
 
 @dataclass(frozen=True)
@@ -212,12 +212,6 @@ def audit_text(field: str, value: object) -> str:
     if isinstance(value, (list, tuple)):
         return ", ".join(str(item) for item in value)
     return str(value)
-
-
-def exact_usd(micro_usd: int) -> str:
-    """$1.50, $0.000001: unlike format_usd, a change of one micro-dollar shows in the trail."""
-    whole, fraction = f"{Decimal(micro_usd) / 1_000_000:,.6f}".split(".")
-    return f"${whole}.{fraction.rstrip('0').ljust(2, '0')}"
 
 
 def audit_field(field: str) -> str:

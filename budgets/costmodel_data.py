@@ -8,15 +8,27 @@ from datetime import datetime, timedelta
 
 from django.db.models import Avg, Count, F, FloatField, StdDev, Sum
 from django.db.models.functions import Cast, Ln
+from django.utils import timezone
 
 from .costmodel import Distribution
 from .models import Feature, ModelPrice, TokenLog
 
-# Measured on the development machine (shared/ENGINE_NOTES.md): prefill ≈ 350 tokens/s, decode of one
+# Measured on the development machine (docs/engine.md): prefill ≈ 350 tokens/s, decode of one
 # stream ≈ 12 tokens/s. Used only where the feature has no logs to measure from.
 DEFAULT_PREFILL_TOKENS_PER_S = 350.0
 DEFAULT_DECODE_TOKENS_PER_S = 12.0
 DEFAULT_OVERHEAD_MS = 80.0
+
+# The cost model's example inputs, where a feature has no logs to prefill from (the page and the command).
+DEFAULTS = {
+    "users": 1000, "system_prompt_tokens": 200, "retrieved_tokens": 0,
+    "prompt_median": 120, "prompt_sigma": 0.6, "output_median": 250, "output_sigma": 0.5,
+    "requests_law": "lognormal", "requests_a": 3, "requests_b": 1.0,
+    "pricing": "custom", "input_usd_per_million": 0.15, "output_usd_per_million": 0.60,
+    "hourly_usd": 3.60, "utilisation_percent": 70, "machine_decode_tokens_per_s": 2400,
+    "overhead_ms": DEFAULT_OVERHEAD_MS, "prefill_tokens_per_s": DEFAULT_PREFILL_TOKENS_PER_S,
+    "decode_tokens_per_s": DEFAULT_DECODE_TOKENS_PER_S, "retrieval_ms": 0, "target_usd": 2.0,
+}
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,29 @@ def _measured_rates(rows) -> dict:
     prefill = timed["prompt"] / timed["ttft"] * 1000 if timed["ttft"] else None
     decode = timed["decoded"] / timed["decode_ms"] * 1000 if timed["decode_ms"] else None
     return {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode}
+
+
+def initial_from_logs(feature: Feature | None) -> tuple[dict, str]:
+    """The form's starting values: the feature's real numbers where it has logs, defaults elsewhere."""
+    initial = dict(DEFAULTS)
+    if feature is None:
+        return initial, "No feature chosen: the inputs are examples; change them freely."
+    seen = observe(feature, timezone.now())
+    if not seen.requests:
+        return {**initial, "feature": feature.pk}, f"{feature.name!r} has no completed requests yet: the inputs are examples."
+    initial.update(feature=feature.pk, users=max(1, seen.users), system_prompt_tokens=0)
+    if seen.prompt_tokens:
+        initial.update(prompt_median=round(seen.prompt_tokens.median, 1), prompt_sigma=round(seen.prompt_tokens.sigma, 3))
+    if seen.output_tokens:
+        initial.update(output_median=round(seen.output_tokens.median, 1), output_sigma=round(seen.output_tokens.sigma, 3))
+    if seen.requests_per_user_per_day:
+        law = seen.requests_per_user_per_day
+        initial.update(requests_law="lognormal", requests_a=round(law.median, 4), requests_b=round(law.sigma, 3))
+    if seen.prefill_tokens_per_s:
+        initial["prefill_tokens_per_s"] = round(seen.prefill_tokens_per_s, 1)
+    if seen.decode_tokens_per_s:
+        initial["decode_tokens_per_s"] = round(seen.decode_tokens_per_s, 2)
+    return initial, f"Prefilled from {seen.requests:,} completed requests of {seen.users:,} users of {feature.name!r} in the last 30 days."
 
 
 def known_hosted_prices(limit: int = 400) -> list[ModelPrice]:

@@ -1,4 +1,5 @@
-"""The staff dashboard's forms: caps, features, providers and prices, typed in people's units.
+"""The staff dashboard's forms: caps, features, providers and prices, typed in people's units;
+and the query forms of the cost model and the token log browser.
 
 Money is typed in dollars (at most six decimals, so the conversion is exact) and kept as integer
 micro-dollars; alert thresholds are typed as "50, 80, 100". A form that is not valid changes nothing.
@@ -7,17 +8,23 @@ micro-dollars; alert thresholds are typed as "50, 80, 100". A form that is not v
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime, time, timedelta
 from decimal import Decimal
 
 from django import forms
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
-from django.core.validators import validate_email
+from django.core.validators import RegexValidator, validate_email
+from django.db.models import QuerySet
 from django.utils import timezone
 
+from . import costmodel
 from .actions import QUOTA_FIELDS
-from .models import Feature, ModelPrice, Period, Provider, Quota
-from .money import format_usd
+from .models import Feature, ModelPrice, Period, Provider, Quota, TokenLog
+from .money import format_usd, parse_usd
+from .periods import local_zone
+from .usage import caps_of
 
 MAX_USD = Decimal("1000000000")  # far beyond any real cap, far below the bigint column
 MAX_REQUESTS = 2_147_483_647  # Quota.max_requests is a PositiveIntegerField
@@ -27,7 +34,9 @@ KNOWN_MODELS_SHOWN = 8  # in the "unknown model" error; a catalog provider can p
 
 
 def to_micro_usd(dollars: Decimal | None) -> int | None:
-    return None if dollars is None else int(dollars * 1_000_000)
+    # DollarsField has already refused what parse_usd refuses (negative, over six decimals) with
+    # the form's own messages, so this only converts; it is still the one parser of dollars.
+    return None if dollars is None else parse_usd(dollars)
 
 
 def dollars_text(micro_usd: int | None) -> str | None:
@@ -48,10 +57,6 @@ class DollarsField(forms.DecimalField):
 
 
 # --- caps ----------------------------------------------------------------------------------------
-
-
-def caps_of(quota: Quota | None) -> dict[str, int | None]:
-    return {name: getattr(quota, name) if quota else None for name in QUOTA_FIELDS}
 
 
 def describe_caps(caps: dict[str, int | None]) -> str:
@@ -348,3 +353,173 @@ class SearchForm(forms.Form):
 
 class AuditFilterForm(forms.Form):
     target = forms.CharField(label="Target", required=False, max_length=200)
+
+
+# --- the cost model ------------------------------------------------------------------------------
+
+PRICING = [("hosted", "a hosted model's published price"), ("custom", "a price I type"), ("self", "my own machine")]
+REQUEST_LAWS = [("lognormal", "lognormal (median, sigma)"), ("pareto", "power law (minimum, alpha)")]
+
+
+class CostModelForm(forms.Form):
+    feature = forms.ModelChoiceField(Feature.objects.order_by("name"), required=False, help_text="prefill from its logs")
+    users = forms.IntegerField(min_value=1, max_value=100_000_000)
+    system_prompt_tokens = forms.IntegerField(min_value=0, max_value=1_000_000)
+    retrieved_tokens = forms.IntegerField(min_value=0, max_value=1_000_000)
+    prompt_median = forms.FloatField(min_value=0.001, label="user prompt tokens, median")
+    prompt_sigma = forms.FloatField(min_value=0, max_value=5, label="user prompt tokens, sigma")
+    output_median = forms.FloatField(min_value=0.001, label="output tokens, median")
+    output_sigma = forms.FloatField(min_value=0, max_value=5, label="output tokens, sigma")
+    requests_law = forms.ChoiceField(choices=REQUEST_LAWS, label="requests per user per day")
+    requests_a = forms.FloatField(min_value=0.0001, label="median (lognormal) or minimum (power law)")
+    requests_b = forms.FloatField(min_value=0, max_value=10, label="sigma (lognormal) or alpha (power law)")
+    pricing = forms.ChoiceField(choices=PRICING)
+    price = forms.ModelChoiceField(ModelPrice.objects.select_related("provider").order_by("provider__name", "model", "-effective_from"), required=False)
+    input_usd_per_million = forms.FloatField(min_value=0, required=False)
+    output_usd_per_million = forms.FloatField(min_value=0, required=False)
+    hourly_usd = forms.FloatField(min_value=0, required=False)
+    utilisation_percent = forms.FloatField(min_value=0.1, max_value=100, required=False)
+    machine_decode_tokens_per_s = forms.FloatField(min_value=0.001, required=False)
+    overhead_ms = forms.FloatField(min_value=0)
+    prefill_tokens_per_s = forms.FloatField(min_value=0.001)
+    decode_tokens_per_s = forms.FloatField(min_value=0.001)
+    retrieval_ms = forms.FloatField(min_value=0)
+    target_usd = forms.FloatField(min_value=0.0001, label="target price per user per month ($)")
+
+    def clean(self):
+        data = super().clean()
+        pricing = data.get("pricing")
+        if pricing == "hosted" and not data.get("price"):
+            self.add_error("price", "Pick the hosted model whose price to use.")
+        if pricing == "custom":
+            for name in ("input_usd_per_million", "output_usd_per_million"):
+                if data.get(name) is None:
+                    self.add_error(name, "Give the price per million tokens.")
+        if pricing == "self":
+            for name in ("hourly_usd", "utilisation_percent", "machine_decode_tokens_per_s"):
+                if data.get(name) is None:
+                    self.add_error(name, "Needed to price your own machine.")
+        if data.get("requests_law") == "pareto" and data.get("requests_b") is not None and data["requests_b"] <= 1:
+            self.add_error("requests_b", "A power law needs alpha above 1, or the mean is infinite.")
+        return data
+
+    def to_inputs(self) -> tuple[costmodel.Inputs, costmodel.SelfHosted | None]:
+        d = self.cleaned_data
+        machine = None
+        if d["pricing"] == "hosted":
+            row = d["price"]
+            price = costmodel.Price(row.input_per_million_micro_usd / 1e6, row.output_per_million_micro_usd / 1e6, f"{row.provider}/{row.model}")
+        elif d["pricing"] == "custom":
+            price = costmodel.Price(d["input_usd_per_million"], d["output_usd_per_million"], "custom")
+        else:
+            machine = costmodel.SelfHosted(d["hourly_usd"], d["utilisation_percent"] / 100, d["machine_decode_tokens_per_s"])
+            machine.validate()
+            price = machine.as_price()
+        law = (costmodel.Distribution.lognormal(d["requests_a"], d["requests_b"]) if d["requests_law"] == "lognormal"
+               else costmodel.Distribution.pareto(d["requests_a"], d["requests_b"]))
+        inputs = costmodel.Inputs(
+            system_prompt_tokens=costmodel.Distribution.fixed(d["system_prompt_tokens"]),
+            retrieved_tokens=costmodel.Distribution.fixed(d["retrieved_tokens"]),
+            user_prompt_tokens=costmodel.Distribution.lognormal(d["prompt_median"], d["prompt_sigma"]),
+            output_tokens=costmodel.Distribution.lognormal(d["output_median"], d["output_sigma"]),
+            requests_per_user_per_day=law,
+            users=d["users"],
+            price=price,
+            latency=costmodel.LatencyModel(d["overhead_ms"], d["prefill_tokens_per_s"], d["decode_tokens_per_s"], d["retrieval_ms"]),
+            target_usd_per_user_month=d["target_usd"],
+        )
+        return inputs, machine
+
+
+# --- the token log browser -----------------------------------------------------------------------
+
+Position = tuple[datetime, int]  # a keyset cursor: (created_at, id)
+
+
+class PeriodForm(forms.Form):
+    period = forms.ChoiceField(choices=[(Period.MONTH, "This month"), (Period.DAY, "Today")], required=False)
+
+    def period_or_default(self) -> str:
+        return (self.is_valid() and self.cleaned_data["period"]) or Period.MONTH
+
+
+class Cursor:
+    """A keyset position (created_at, id) as it travels in the URL: '<epoch microseconds>_<id>'."""
+
+    EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+    @classmethod
+    def encode(cls, row: TokenLog) -> str:
+        delta = row.created_at - cls.EPOCH
+        micros = (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+        return f"{micros}_{row.pk}"
+
+    @classmethod
+    def decode(cls, raw: str) -> Position:
+        micros, _, pk = raw.partition("_")
+        try:
+            # timedelta, not fromtimestamp(): a float would lose the microseconds the keyset needs.
+            return cls.EPOCH + timedelta(microseconds=int(micros)), int(pk)
+        except (ValueError, OverflowError):
+            raise forms.ValidationError("This page link is damaged; start again from the newest rows.") from None
+
+
+class LogFilterForm(forms.Form):
+    user = forms.CharField(required=False, max_length=150, label="User")
+    feature = forms.ModelChoiceField(
+        Feature.objects.order_by("name"), required=False, to_field_name="name", empty_label="any"
+    )
+    status = forms.ChoiceField(choices=[("", "any"), *TokenLog.Status.choices], required=False)
+    refusal_code = forms.CharField(
+        required=False, max_length=64, label="Refusal code",
+        validators=[RegexValidator(r"^[a-z0-9_]+$", "Refusal codes are lowercase letters, digits and _.")],
+    )
+    date_from = forms.DateField(required=False, label="From", widget=forms.DateInput(attrs={"type": "date"}))
+    date_to = forms.DateField(required=False, label="To (inclusive)", widget=forms.DateInput(attrs={"type": "date"}))
+    before = forms.CharField(required=False, widget=forms.HiddenInput)
+    after = forms.CharField(required=False, widget=forms.HiddenInput)
+
+    def clean_user(self):
+        username = self.cleaned_data["user"].strip()
+        if not username:
+            return None
+        # Resolved to an id here, so the query uses the (user, created_at) index without a join.
+        user = get_user_model().objects.filter(username=username).only("id", "username").first()
+        if user is None:
+            raise forms.ValidationError(f"There is no user named {username!r}.")
+        return user
+
+    def clean_before(self) -> Position | None:
+        raw = self.cleaned_data["before"]
+        return Cursor.decode(raw) if raw else None
+
+    def clean_after(self) -> Position | None:
+        raw = self.cleaned_data["after"]
+        return Cursor.decode(raw) if raw else None
+
+    def clean(self):
+        data = super().clean()
+        start, end = data.get("date_from"), data.get("date_to")
+        if start and end and start > end:
+            self.add_error("date_to", "The end date is before the start date.")
+        return data
+
+    def filtered(self) -> QuerySet[TokenLog]:
+        """The rows these filters select, in no particular order (only call when valid)."""
+        data = self.cleaned_data
+        rows = TokenLog.objects.all()
+        if data["user"]:
+            rows = rows.filter(user=data["user"])
+        if data["feature"]:
+            rows = rows.filter(feature=data["feature"])
+        if data["status"]:
+            rows = rows.filter(status=data["status"])
+        if data["refusal_code"]:
+            rows = rows.filter(refusal_code=data["refusal_code"])
+        # Dates are calendar days in settings.TIME_ZONE, like every period in Ceiling.
+        if data["date_from"]:
+            rows = rows.filter(created_at__gte=datetime.combine(data["date_from"], time(), tzinfo=local_zone()))
+        if data["date_to"]:
+            day_after = data["date_to"] + timedelta(days=1)
+            rows = rows.filter(created_at__lt=datetime.combine(day_after, time(), tzinfo=local_zone()))
+        return rows

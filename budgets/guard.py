@@ -8,7 +8,7 @@ The ledger row (TokenLog) is written before the Redis admission and marked `admi
 it, with the amounts reserved. A counter rebuilt from the ledger counts settled rows as used and
 admitted in-flight rows as reserved; rows still being admitted reserve for themselves once the
 counter is back. (The microseconds between the Redis reply and the `admitted` update are the one
-window a flush at that exact moment could miss; see the README.)
+window a flush at that exact moment could miss; see docs/budgets.md.)
 """
 
 from __future__ import annotations

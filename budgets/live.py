@@ -1,7 +1,8 @@
 """Live dashboard increments: one small event per settled or refused request, after commit.
 
-Staff dashboards join the channel-layer group "dashboard" (budgets/consumers.py) and fold each
-event into their charts; they never reload whole figures.
+Staff dashboards join the channel-layer group "dashboard" (inference/consumers.py) and fold each
+event into their charts; they never reload whole figures. This module only announces the row
+(budgets.signals.ledger_row_logged); the receiver that sends it to the group lives in inference.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 from django.db import transaction
 
 from .models import TokenLog
+from .signals import ledger_row_logged
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +39,20 @@ def publish_on_commit(request_id: str) -> None:
 
 
 def publish(request_id: str) -> None:
-    from inference.bus import channel_sender  # one event loop per process for channel-layer sends
-    from inference.metrics import record_settled
+    """Tell listeners (inference: Prometheus counters, the dashboard group) about one settled or refused row.
 
+    A signal rather than a call, so budgets imports nothing of inference. send_robust, because
+    the row is already committed: a failing listener must never surface in the ledger's caller.
+    """
     row = TokenLog.objects.select_related("feature").filter(request_id=request_id).first()
     if row is None:
         return
-    record_settled(row)  # the Prometheus counters in Redis (inference/metrics.py); never raises
-    # Fire and forget: the worker's next step must not wait on staff dashboards.
-    channel_sender().group_send(DASHBOARD_GROUP, point_for(row, row.feature.name if row.feature else None), wait=False)
+    point = point_for(row, row.feature.name if row.feature else None)
+    for receiver, result in ledger_row_logged.send_robust(sender=TokenLog, row=row, point=point):
+        if isinstance(result, Exception):
+            # django.dispatch has logged the traceback; this line ties it to the ledger row.
+            log.warning("ledger_row_logged receiver %s failed for request %s", _name(receiver), request_id)
+
+
+def _name(receiver: object) -> str:
+    return getattr(receiver, "__qualname__", None) or repr(receiver)

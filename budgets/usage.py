@@ -1,4 +1,5 @@
-"""Read-only usage calculations over the ledger: the cost-per-user long tail and a user's own caps.
+"""Read-only usage calculations over the ledger: usage against caps for the staff pages, the
+cost-per-user long tail and a user's own caps.
 
 Every number here comes from SQL aggregates. The long tail pulls one row per *user* (the GROUP BY
 result), never one per TokenLog row, and does the percentiles in Python on those totals.
@@ -11,16 +12,114 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.contrib.auth import get_user_model
-from django.db.models import Count, F, Q, Sum
+from django.db.models import Count, F, Q, QuerySet, Sum
 
+from .actions import QUOTA_FIELDS
+from .counters import Usage
 from .guard import IN_FLIGHT, SETTLED, applicable_ceilings
-from .models import Feature, Period, Provider, TokenLog
+from .models import Feature, Period, Provider, Quota, TokenLog
 from .money import format_usd
 from .periods import describe_reset, period_bounds
 
 TOP_USERS = 50
 BINS_PER_DECADE = 4  # log-spaced histogram: 1, 1.8, 3.2, 5.6, 10, ... micro-dollars
 CURVE_POINTS = 200  # the concentration curve is downsampled to at most this many points
+NO_USAGE = {Period.DAY: Usage(), Period.MONTH: Usage()}  # a group with no settled rows this month
+
+
+# --- usage against caps: the staff pages' gauges --------------------------------------------------
+
+
+def caps_of(quota: Quota | None) -> dict[str, int | None]:
+    """A Quota row's caps by field name; no row: no caps."""
+    return {name: getattr(quota, name) if quota else None for name in QUOTA_FIELDS}
+
+
+@dataclass(frozen=True)
+class Gauge:
+    """What was used so far against a cap, as one table cell shows it."""
+
+    used: int
+    cap: int | None
+    money: bool = False
+    uncapped: str = "no cap"
+
+    def _text(self, amount: int) -> str:
+        return format_usd(amount) if self.money else f"{amount:,}"
+
+    @property
+    def used_text(self) -> str:
+        return self._text(self.used)
+
+    @property
+    def cap_text(self) -> str:
+        return self.uncapped if self.cap is None else self._text(self.cap)
+
+    @property
+    def full(self) -> bool:
+        return self.cap is not None and self.used >= self.cap
+
+
+def gauges(usage: Usage, caps: dict[str, int | None]) -> list[Gauge]:
+    return [
+        Gauge(usage.requests, caps["max_requests"]),
+        Gauge(usage.tokens, caps["max_tokens"]),
+        Gauge(usage.cost_micro_usd, caps["max_cost_micro_usd"], money=True),
+    ]
+
+
+def usage_by(logs: QuerySet, group_by: str, now: datetime) -> dict[object, dict[str, Usage]]:
+    """Today's and this month's settled usage per `group_by` value: one aggregate query.
+
+    Running and refused rows are not "used" (the guard counts them the same way); today lies
+    inside this month, so one month-wide scan with a conditional filter gives both.
+    """
+    day_start, day_end = period_bounds(Period.DAY, now)
+    month_start, month_end = period_bounds(Period.MONTH, now)
+    today = Q(created_at__gte=day_start, created_at__lt=day_end)
+    tokens = F("prompt_tokens") + F("completion_tokens")
+    rows = (
+        logs.filter(SETTLED, created_at__gte=month_start, created_at__lt=month_end)
+        .order_by()
+        .values(group_by)
+        .annotate(
+            day_requests=Count("id", filter=today),
+            day_tokens=Sum(tokens, filter=today),
+            day_cost=Sum("cost_micro_usd", filter=today),
+            month_requests=Count("id"),
+            month_tokens=Sum(tokens),
+            month_cost=Sum("cost_micro_usd"),
+        )
+    )
+    return {
+        row[group_by]: {
+            Period.DAY: Usage(row["day_requests"], row["day_tokens"] or 0, row["day_cost"] or 0),
+            Period.MONTH: Usage(row["month_requests"], row["month_tokens"] or 0, row["month_cost"] or 0),
+        }
+        for row in rows
+    }
+
+
+def total_usage(usages: list[dict[str, Usage]]) -> dict[str, Usage]:
+    """Sum of a few already-aggregated groups (one per feature), not of log rows."""
+    return {
+        period: Usage(
+            sum(u[period].requests for u in usages),
+            sum(u[period].tokens for u in usages),
+            sum(u[period].cost_micro_usd for u in usages),
+        )
+        for period in (Period.DAY, Period.MONTH)
+    }
+
+
+def effective_caps(quotas: dict[tuple[bool, str], Quota], period: str) -> tuple[dict[str, int | None], bool]:
+    """The caps in force for one period (a user's own row replaces the default) and whether they are own.
+
+    `quotas` is keyed by (is the user's own row, period), all-features rows only.
+    """
+    own = quotas.get((True, period))
+    return caps_of(own or quotas.get((False, period))), own is not None
+
 
 # --- cost per user: the long tail ---------------------------------------------------------------
 

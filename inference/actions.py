@@ -96,7 +96,7 @@ class SwitchRefused(Exception):
 
 def do_record_evaluation(feature: Feature, mode: str, run, prompt_set_size: int) -> QuantizationEvaluation:
     """Store one evaluate_quantization run with the verdict under the staff's thresholds of now."""
-    from .evaluate import verdict
+    from .engine.evaluate import verdict
 
     policy = QuantizationPolicy.current()
     row = QuantizationEvaluation(
@@ -121,6 +121,7 @@ def do_record_evaluation(feature: Feature, mode: str, run, prompt_set_size: int)
         policy.max_accuracy_drop_points, policy.min_throughput_gain_pct,
     )
     if not row.complete:
+        row.passed = False  # the verdict's numbers hold for the subset only
         row.verdict += f" Ran on {row.answered} of {prompt_set_size} prompts: a partial run cannot approve a switch."
     row.save()
     return row

@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP API: POST /v1/chat/completions and GET /v1/models.
 
 Authenticated by per-user API keys (`Authorization: Bearer ck_…`, accounts/models.py). A completion
-goes through the same session as the websocket (inference/session.py): the same validation, guard,
-ledger rows and cancellation. The session's first event decides the status code, so a refusal is a
+goes through the same chat request code as the websocket (inference/web/chat_request.py): the same validation, guard,
+ledger rows and cancellation. The chat request's first event decides the status code, so a refusal is a
 429 (or 400/403/503, see `refusal_status`) even when a stream was asked for; after `accepted` the
 answer is either collected into one chat.completion or streamed as server-sent events. An extract
-feature (inference/modes.py) always answers collected: its content is the JSON object, or a 502.
+feature (inference/web/modes.py) always answers collected: its content is the JSON object, or a 502.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from accounts.actions import do_touch_api_key
 from accounts.models import ApiKey
 from budgets.models import Feature
 
-from .frames import ChatFrame, FrameError, parse_chat
-from .session import INTERNAL_ERROR, run_chat
+from .web.chat_request import INTERNAL_ERROR, run_chat
+from .web.frames import ChatFrame, FrameError, parse_chat
 
 View = Callable[..., Awaitable[HttpResponse]]
 
@@ -91,7 +91,7 @@ def refusal_response(event: dict) -> JsonResponse:
 
 
 def error_event(event: dict) -> tuple[int, dict]:
-    """(status, body) of a session `error` event: a bad request, or the engine or we failed."""
+    """(status, body) of a chat request's `error` event: a bad request, or the engine or we failed."""
     if event["code"] in ("unknown_feature", "batch_only"):
         return 400, error_body(event["message"], type="invalid_request_error", code=event["code"], param="feature")
     if event["code"] == "invalid_json":
@@ -142,7 +142,7 @@ def _unauthorized(code: str, message: str) -> JsonResponse:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """A validated completion request: the session's frame plus what only the HTTP API has."""
+    """A validated completion request: the chat request's frame plus what only the HTTP API has."""
 
     frame: ChatFrame
     model: str

@@ -3,3 +3,8 @@ from django.apps import AppConfig
 
 class InferenceConfig(AppConfig):
     name = "inference"
+
+    def ready(self) -> None:
+        from . import live  # imports models: only once the app registry is ready
+
+        live.connect()

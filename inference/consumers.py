@@ -1,9 +1,13 @@
-"""/ws/chat/: the end user's chat socket (wire protocol in README.md).
+"""The websockets: /ws/chat/ (ChatConsumer, the end user's chat) and /ws/dashboard/ (DashboardConsumer, staff).
 
-One generation at a time per socket. It runs in an asyncio task that `disconnect()` and a
+/ws/chat/ (wire protocol in docs/protocol.md): one generation at a time per socket. It runs in an asyncio task that `disconnect()` and a
 `{"type": "cancel"}` frame cancel; cancelling tells the worker's engine to stop at its next step.
 What happens to one request (admission, the guard, relaying the worker's tokens) lives in
-inference/session.py, which the OpenAI-compatible HTTP API shares.
+inference/web/chat_request.py, which the OpenAI-compatible HTTP API shares.
+
+/ws/dashboard/: the staff's live feed, one point per settled or refused request (budgets' ledger
+signal, relayed by inference/live.py) and the workers' engine stats each second. It lives here,
+not in budgets, because it reads the engines' stats.
 """
 
 from __future__ import annotations
@@ -12,10 +16,14 @@ import asyncio
 import json
 from contextlib import aclosing
 
+from asgiref.sync import sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
-from .frames import CancelFrame, ChatFrame, FrameError, parse_frame
-from .session import TERMINAL, run_chat
+from budgets.live import DASHBOARD_GROUP
+
+from .bus.stats import read_engine_stats
+from .web.chat_request import TERMINAL, run_chat
+from .web.frames import CancelFrame, ChatFrame, FrameError, parse_frame
 
 
 class ChatConsumer(AsyncWebsocketConsumer):
@@ -47,12 +55,12 @@ class ChatConsumer(AsyncWebsocketConsumer):
         self.generation = asyncio.create_task(self._chat(frame))
 
     async def _chat(self, frame: ChatFrame) -> None:
-        # aclosing: when this task is cancelled mid-send, the session still hears about it and cancels.
+        # aclosing: when this task is cancelled mid-send, the chat request still hears about it and cancels.
         async with aclosing(run_chat(self.user, frame)) as events:
             async for event in events:
                 if event["type"] in TERMINAL:
                     # The answer is over for the client once it reads this frame, and it may send its
-                    # next one at once; the session's clean-up after it (closing the request's queue)
+                    # next one at once; the chat request's clean-up after it (closing the request's queue)
                     # must not make that next frame "busy".
                     self._release_socket()
                 await self.send_json(event)
@@ -72,3 +80,40 @@ class ChatConsumer(AsyncWebsocketConsumer):
 
     async def send_json(self, content: dict) -> None:
         await self.send(text_data=json.dumps(content))
+
+
+ENGINE_EVERY_S = 1.0
+
+
+class DashboardConsumer(AsyncWebsocketConsumer):
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated or not user.is_staff:
+            await self.close(code=4403)
+            return
+        await self.channel_layer.group_add(DASHBOARD_GROUP, self.channel_name)
+        await self.accept()
+        self.engine_task = asyncio.create_task(self._push_engine_stats())
+
+    async def disconnect(self, code: int) -> None:
+        task = getattr(self, "engine_task", None)
+        if task is not None:
+            task.cancel()
+        await self.channel_layer.group_discard(DASHBOARD_GROUP, self.channel_name)
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        # Read-only feed: anything a client sends is ignored, never an error that could be abused.
+        return
+
+    async def dashboard_point(self, event: dict) -> None:
+        await self.send(text_data=json.dumps({**event, "type": "point"}))
+
+    async def _push_engine_stats(self) -> None:
+        while True:
+            try:
+                workers = await sync_to_async(read_engine_stats, thread_sensitive=False)()
+            except Exception:  # noqa: BLE001 - Redis away: say nothing this tick, try the next
+                workers = None
+            if workers is not None:
+                await self.send(text_data=json.dumps({"type": "engine", "workers": workers}))
+            await asyncio.sleep(ENGINE_EVERY_S)

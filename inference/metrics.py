@@ -36,7 +36,7 @@ from prometheus_client.utils import floatToGoString
 
 from budgets.models import TokenLog
 
-from .bus import read_engine_stats
+from .bus.stats import read_engine_stats
 
 log = logging.getLogger(__name__)
 

@@ -92,7 +92,7 @@ class QuantizationEvaluation(models.Model):
     """One run of `evaluate_quantization`: the full-precision and the quantized model on one feature's prompts.
 
     `answers` keeps every prompt with both answers and their token ids, so accuracy and agreement
-    can be recomputed from what is stored (inference/evaluate.py), not only read from the counts.
+    can be recomputed from what is stored (inference/engine/evaluate.py), not only read from the counts.
     """
 
     feature = models.ForeignKey(Feature, on_delete=models.CASCADE, related_name="quantization_evaluations")

@@ -11,9 +11,11 @@ from django.conf import settings
 
 from budgets.reconcile import reconcile_forever
 
-from . import bus, remote
-from .engine import cancel_everywhere, get_engine, process_stats, shutdown_engine
-from .generation import run_generation
+from .bus.cancel import listen_for_cancellations
+from .bus.stats import publish_stats_forever
+from .engines import get_engine, process_stats, shutdown_engine
+from .worker import handles
+from .worker.generation import run_generation
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ _stop_services = threading.Event()
 )
 def generate(request_id: str, reply_to: str = "") -> None:
     # reply_to: the waiting web process's stream inbox; a task queued by an older web process
-    # carries none, and its user's page then ends from the ledger (session._relay).
+    # carries none, and its user's page then ends from the ledger (chat_request._relay).
     run_generation(request_id, reply_to)
 
 
@@ -50,7 +52,7 @@ def refine(user_id: int, feature_id: int, question: str, max_calls: int = 3) -> 
 
     from budgets.models import Feature
 
-    from .refine import refine_answer
+    from .worker.refine import refine_answer
 
     user = get_user_model().objects.get(pk=user_id)
     refine_answer(user, Feature.objects.get(pk=feature_id), question, max_calls=max_calls)
@@ -65,7 +67,7 @@ def run_batch(job_id: int) -> None:
     No time limit: a job is as long as its items, and each generation keeps its own deadline.
     Not retried: the job is claimed once (queued → running), and a rerun would answer items twice.
     """
-    from .batch import run_batch_job
+    from .worker.batch import run_batch_job
 
     run_batch_job(job_id)
 
@@ -82,10 +84,10 @@ def start_worker_services() -> None:
     engine = get_engine()
     _stop_services.clear()
     threading.Thread(
-        target=bus.listen_for_cancellations, args=(lambda rid: (cancel_everywhere(rid), remote.cancel(rid)), _stop_services), name="cancel-listener", daemon=True
+        target=listen_for_cancellations, args=(handles.cancel, _stop_services), name="cancel-listener", daemon=True
     ).start()
     threading.Thread(
-        target=bus.publish_stats_forever,
+        target=publish_stats_forever,
         args=(process_stats, _stop_services),  # every weight variant this worker hosts
         name="stats-publisher",
         daemon=True,

@@ -11,9 +11,8 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402 - needs Django set u
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
-from budgets.routing import websocket_urlpatterns as budget_sockets  # noqa: E402
-from inference.routing import websocket_urlpatterns as inference_sockets  # noqa: E402
-from inference.tokenizer import load_tokenizer_in_background  # noqa: E402
+from inference.routing import websocket_urlpatterns  # noqa: E402
+from inference.web.tokenizer import load_tokenizer_in_background  # noqa: E402
 from project.origins import SameOriginValidator  # noqa: E402
 
 application = ProtocolTypeRouter(
@@ -22,7 +21,7 @@ application = ProtocolTypeRouter(
         # The Origin's host must be allowed (Channels) and be exactly the address connected to, port
         # included (project/origins.py): cookies reach every port of a host, origins do not.
         "websocket": AllowedHostsOriginValidator(
-            SameOriginValidator(AuthMiddlewareStack(URLRouter(inference_sockets + budget_sockets)))
+            SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns)))
         ),
     }
 )

@@ -234,7 +234,7 @@ WHITENOISE_AUTOREFRESH = DEBUG
 REDIS_URL = check_redis_url(envstr("REDIS_URL", "redis://127.0.0.1:6379/0"))
 
 # Messages one web process's Redis list may hold while it is not reading: its stream inbox (bundles
-# of frames, inference/bus.py) and its channel-layer channels (dashboard points). A send beyond it is
+# of frames, inference/bus/) and its channel-layer channels (dashboard points). A send beyond it is
 # dropped (streaming is at-most-once; each request then ends from the ledger).
 CEILING_CHANNEL_CAPACITY = envint("CEILING_CHANNEL_CAPACITY", 20000, minimum=1)
 CHANNEL_LAYERS = {
@@ -272,11 +272,17 @@ CEILING_KV_PAGE_SIZE = envint("CEILING_KV_PAGE_SIZE", 32, minimum=1)
 CEILING_KV_BLOCKS = envint("CEILING_KV_BLOCKS", 512, minimum=8)
 CEILING_MAX_BATCH_TOKENS = envint("CEILING_MAX_BATCH_TOKENS", 512, minimum=16)
 CEILING_PREFIX_SHARING = envbool("CEILING_PREFIX_SHARING", True)
-# "varlen" (per-request attention, inference/attention.py) or "sdpa" (transformers' own); CPU only.
+# "varlen" (per-request attention, inference/engine/patches/attention.py) or "sdpa" (transformers' own); CPU only.
+# Which loop runs decode steps: "owned", Ceiling's own (inference/engine/owned/: scheduler, paged KV
+# blocks, model runner), or "transformers", its ContinuousBatchingManager. A model the owned loop
+# cannot run (not Llama-family) falls back to transformers' with a log line saying why.
+CEILING_ENGINE_LOOP = envstr("CEILING_ENGINE_LOOP", "owned")
+if CEILING_ENGINE_LOOP not in ("owned", "transformers"):
+    raise ImproperlyConfigured(f"CEILING_ENGINE_LOOP must be owned or transformers, not {CEILING_ENGINE_LOOP!r}")
 CEILING_ATTENTION = envstr("CEILING_ATTENTION", "varlen")
 if CEILING_ATTENTION not in ("varlen", "sdpa"):
     raise ImproperlyConfigured(f"CEILING_ATTENTION must be varlen or sdpa, not {CEILING_ATTENTION!r}")
-# Decode-sized matmuls as W·xᵀ (inference/skinny.py) for the row counts where that measures faster when
+# Decode-sized matmuls as W·xᵀ (inference/engine/patches/linears.py) for the row counts where that measures faster when
 # the engine loads (2× the weight streaming for 2-8 rows on AMD EPYC; slower on AVX-512 Xeons, so unused
 # there); off skips the measurement and keeps F.linear everywhere.
 CEILING_SKINNY_LINEAR = envbool("CEILING_SKINNY_LINEAR", True)
@@ -291,7 +297,7 @@ CEILING_IGNORE_EOS = envbool("CEILING_IGNORE_EOS", False)
 # The weight variant a worker loads at start ("none" = full precision, "int8" = int8 linear layers on
 # CPU, "q4" = the GGUF's 4-bit weights for decode steps on CPU, "bf16" = bfloat16 weights and
 # arithmetic, fast on CPUs with AMX or AVX512-BF16); a feature switched to another
-# variant makes the worker load that one too (inference/engine.py, inference/quantization.py).
+# variant makes the worker load that one too (inference/engine/loop.py, inference/engine/patches/quantization.py).
 CEILING_QUANTIZATION = envstr("CEILING_QUANTIZATION", "none")
 if CEILING_QUANTIZATION not in ("none", "int8", "q4", "bf16"):
     raise ImproperlyConfigured(f"CEILING_QUANTIZATION={CEILING_QUANTIZATION!r} is not one of none, int8, q4, bf16")

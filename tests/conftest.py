@@ -18,7 +18,7 @@ import pytest
 import redis
 from django.conf import settings
 
-from inference.modelfiles import model_dir
+from inference.engines import model_dir
 from project import stack
 
 LOG_DIR = Path(settings.BASE_DIR) / "var" / "test-logs"
@@ -183,6 +183,6 @@ def _no_async_unsafe_leak():
 def _stop_in_process_engine():
     """Tests that run generation in-process start this process's engine; stop it while logging still works."""
     yield
-    from inference.engine import shutdown_engine
+    from inference.engines import shutdown_engine
 
     shutdown_engine()

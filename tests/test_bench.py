@@ -9,14 +9,18 @@ from __future__ import annotations
 import io
 import json
 import statistics
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 from django.core.management import CommandError, call_command
 
-from inference.attention import length_buckets, step_plan, varlen_attention
-from inference.bench.measure import MODE_KEYS, BenchError, RequestTiming, percentile, summarise
-from inference.bench.workload import WorkloadSpec, mixed_workload
+from inference.engine.bench.measure import MODE_KEYS, BenchError, RequestTiming, percentile, summarise
+from inference.engine.bench.peer import run_peer
+from inference.engine.bench.workload import WorkloadSpec, mixed_workload
+from inference.engine.patches.attention import length_buckets, step_plan, varlen_attention
 
 
 def test_the_workload_is_fixed_by_its_seed_and_long_tailed():
@@ -190,6 +194,7 @@ def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transa
         (["--max-output-tokens", "999"], "between 2 and 256"),
         (["--stream-interval", "0"], "at least 1 token"),
         (["--repeat", "0"], "--repeat must be at least 1"),
+        (["--modes", "engine,peer"], "the peer mode needs --peer URL"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(arguments, message, tmp_path):
@@ -218,9 +223,74 @@ def test_the_stack_modes_feature_is_served_by_the_variant_under_test(transaction
     # A worker answers a feature with the feature's own variant: left at "none", a bf16 stack run
     # would load and measure the fp32 engine beside the bf16 one the worker started with.
     from budgets.models import Feature
-    from inference.bench.stack import BENCH_FEATURE, prepare_bench_user
+    from inference.tools.stack_bench import BENCH_FEATURE, prepare_bench_user
 
     assert prepare_bench_user("bf16")
     assert Feature.objects.get(name=BENCH_FEATURE).quantization == "bf16"
     prepare_bench_user("none")
     assert Feature.objects.get(name=BENCH_FEATURE).quantization == "none"
+
+
+class _PeerHandler(BaseHTTPRequestHandler):
+    """An OpenAI-compatible server as llama.cpp's llama-server answers: /v1/models and streamed chat.
+
+    It streams one chunk per token, max_tokens of them (it honours ignore_eos by never stopping
+    early), and a final usage chunk; it records every body it received so the test can check what
+    the bench asked for.
+    """
+
+    bodies: list[dict] = []
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._send(200, b'{"object": "list", "data": [{"id": "smollm2-peer"}]}', "application/json")
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for index in range(body["max_tokens"]):
+            chunk = {"choices": [{"index": 0, "delta": {"content": f"t{index} "}}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(0.002)
+        usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+    def _send(self, status: int, payload: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+
+@pytest.fixture
+def peer_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _PeerHandler)
+    _PeerHandler.bodies = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_the_peer_mode_replays_the_workload_against_an_openai_server(peer_server):
+    requests = mixed_workload(WorkloadSpec(requests=6, seed=3, max_output_tokens=12))
+    result = run_peer(peer_server, requests)
+    assert result.summary["requests"] == 6
+    assert result.summary["output_tokens"] == sum(r.output_tokens for r in requests)
+    assert result.extra["peer_model"] == "smollm2-peer" and result.extra["tpot_ms_at_1"] > 0
+    replayed = _PeerHandler.bodies[1:7]  # after the warm-up, before the lone request
+    assert sorted(b["max_tokens"] for b in replayed) == sorted(r.output_tokens for r in requests)
+    assert all(b["temperature"] == 0 and b["ignore_eos"] is True and b["stream"] is True for b in replayed)
+    assert _PeerHandler.bodies[-1]["max_tokens"] == 64
+
+
+def test_a_peer_that_does_not_answer_is_a_sentence():
+    with pytest.raises(BenchError, match="does not answer GET /v1/models like an OpenAI-compatible server"):
+        run_peer("http://127.0.0.1:9", mixed_workload(WorkloadSpec(requests=1)))

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from inference.caches import cache_key, embed, lookup, normalise, store
+from inference.web.caches import cache_key, embed, lookup, normalise, store
 
 pytestmark = pytest.mark.django_db
 

@@ -13,8 +13,8 @@ from django.core.management import CommandError, call_command
 from django.test import Client
 from django.utils import timezone
 
+from budgets.costmodel_data import initial_from_logs
 from budgets.models import TokenLog
-from budgets.views.costmodel import initial_from_logs
 
 pytestmark = pytest.mark.django_db
 
@@ -79,7 +79,7 @@ def test_the_page_models_a_feature_from_its_logs(staff, many_users, chat_feature
      ({"requests_law": "pareto", "requests_b": "0.8"}, "alpha above 1"), ({"target_usd": "-2"}, "greater than or equal to")],
 )
 def test_nonsense_input_is_refused_with_a_message(staff, change, message):
-    from budgets.views.costmodel import DEFAULTS
+    from budgets.costmodel_data import DEFAULTS
 
     query = {**DEFAULTS, **change}
     response = staff_client(staff).get("/staff/costmodel/", query)

@@ -14,7 +14,7 @@ from django.conf import settings
 from budgets.models import TokenLog
 from inference.actions import do_admit_request
 from inference.engine import Engine, EngineConfig, EngineError, in_a_passing_thread
-from inference.modelfiles import model_dir
+from inference.engines import model_dir
 from inference.tasks import generate
 from tests.conftest import wait_for
 
@@ -27,9 +27,10 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine():
-    engine = Engine(EngineConfig(model_dir=model_dir(), num_blocks=64))
+@pytest.fixture(scope="module", params=["owned", "transformers"])
+def engine(request):
+    """Every engine test runs on both loops: Ceiling's own and transformers' continuous batching."""
+    engine = Engine(EngineConfig(model_dir=model_dir(), num_blocks=64, loop=request.param))
     engine.load(progress=lambda _: None)
     engine.start()
     yield engine
@@ -177,15 +178,15 @@ def _wait_end(handle):
      ({"CEILING_ENGINE_FIRST_TOKEN_S": 0.001}, "the engine produced nothing for 0 s")],
 )
 def test_the_task_thread_enforces_the_total_and_idle_limits(engine, settings, limits, message):
-    """generation._wait_for_the_end: past a limit the request is cancelled in the engine and fails."""
-    from inference.generation import _wait_for_the_end
+    """handles.wait_for_the_end: past a limit the request is cancelled in the engine and fails."""
+    from inference.worker.handles import wait_for_the_end
 
     for name, value in limits.items():
         setattr(settings, name, value)
     request_id = f"limits-{uuid.uuid4().hex[:8]}"
     handle = engine.submit(request_id, engine.encode_chat([{"role": "user", "content": "Tell a long story."}]), 500,
                            listener=Listener())
-    assert _wait_for_the_end(engine, handle) == ("error", message)
+    assert wait_for_the_end(engine, handle) == ("error", message)
     assert engine.cancel(request_id) is False  # already cancelled: the engine stopped generating it
     wait_for(lambda: engine.stats().running == 0, timeout=10)
 

@@ -70,7 +70,7 @@ def test_a_loop_budget_needs_a_limit(alice):
 
 
 def test_draft_critique_revise_runs_on_the_real_model_within_its_budget(alice, chat_feature):
-    from inference.refine import refine_answer
+    from inference.worker.refine import refine_answer
 
     result = refine_answer(alice, chat_feature, "What is the capital of Spain?", max_calls=3, max_tokens=24, rounds=5)
     assert result.calls == 3 and len(result.steps) == 3

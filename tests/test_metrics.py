@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from budgets.actions import do_log_refusal
 from budgets.models import Feature, TokenLog
-from inference import bus
+from inference.bus.stats import STATS_KEY_PREFIX, STATS_TTL_S
 from inference.engine import EngineStats
 from inference.metrics import clear_metrics, record_settled
 from tests.conftest import session_cookie
@@ -197,8 +197,8 @@ def test_metrics_from_several_processes_add_up_in_redis(metrics_token, chat_feat
 def test_engine_gauges_come_from_each_workers_published_stats(metrics_token, redis_db):
     stats = EngineStats(model="m", device="cpu", running=3, waiting=1, kv_blocks_used=128, kv_blocks_total=512,
                         tokens_generated=0, tokens_per_s=0.0, requests_finished=0, peak_running=3, restarts=0)
-    key = f"{bus.STATS_KEY_PREFIX}metrics-test-host:4242"
-    redis_db.set(key, json.dumps(stats.as_dict()), ex=bus.STATS_TTL_S)
+    key = f"{STATS_KEY_PREFIX}metrics-test-host:4242"
+    redis_db.set(key, json.dumps(stats.as_dict()), ex=STATS_TTL_S)
     try:
         families = scrape()
     finally:

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from inference.engine import Engine, EngineConfig
-from inference.modelfiles import model_dir
-from inference.quantization import (
+from inference.engine import Engine
+from inference.engine.patches.linears import skinny_linear_forward, use_skinny_linears
+from inference.engine.patches.quantization import (
     Q4,
     Q4_GROUP,
     Q4_ROW_BUCKETS,
@@ -23,7 +23,7 @@ from inference.quantization import (
     quantize_model,
     weights_memory_bytes,
 )
-from inference.skinny import skinny_linear_forward, use_skinny_linears
+from inference.engines import engine_config_from_settings, model_dir
 
 
 class TinyDecoder(nn.Module):
@@ -126,7 +126,7 @@ def test_the_measurement_routes_an_unbroken_run_of_winning_buckets():
 
 
 def test_the_real_model_serves_its_own_4_bit_codes_in_the_engine():
-    engine = Engine(replace(EngineConfig.from_settings(model_dir()), num_blocks=64, quantization=Q4))
+    engine = Engine(replace(engine_config_from_settings(model_dir()), num_blocks=64, quantization=Q4))
     engine.load(progress=lambda _: None)
     packed = [m for m in engine.model.modules() if hasattr(m, "q4_weight")]
     # 30 decoder layers × (q, k, v, o, gate, up, down); the tied lm_head stays fp32.

@@ -14,17 +14,17 @@ from django.test import Client
 
 from budgets.models import AuditEntry, Feature
 from inference.actions import do_record_evaluation, do_switch_quantization, switch_refusal
-from inference.engine import Engine, EngineConfig
-from inference.evaluate import compare, is_correct, load_prompts, score
-from inference.modelfiles import model_dir
+from inference.engine import Engine
+from inference.engine.evaluate import compare, is_correct, load_prompts, score
+from inference.engine.patches.quantization import BF16, INT8, NONE, Q4, mode_of, weights_memory_bytes
+from inference.engines import engine_config_from_settings, model_dir
 from inference.models import QuantizationEvaluation, QuantizationPolicy
-from inference.quantization import BF16, INT8, NONE, Q4, mode_of, weights_memory_bytes
 from tests.conftest import engine_stats, session_cookie, wait_for
 from tests.wsclient import chat, chat_frame
 
 
 def _engine(quantization: str) -> Engine:
-    engine = Engine(replace(EngineConfig.from_settings(model_dir()), num_blocks=64, quantization=quantization))
+    engine = Engine(replace(engine_config_from_settings(model_dir()), num_blocks=64, quantization=quantization))
     engine.load(progress=lambda _: None)
     engine.start()
     return engine
@@ -205,7 +205,7 @@ def _page(feature: Feature) -> str:
 def _evaluation(feature: Feature, *, baseline_correct: int, candidate_correct: int, tokens_per_s: tuple[float, float],
                 answered: int = 60) -> QuantizationEvaluation:
     """A stored evaluation with these outcomes (the verdict is decided by do_record_evaluation, as for a real run)."""
-    from inference.evaluate import Run, Scores
+    from inference.engine.evaluate import Run, Scores
 
     answers = [{"id": f"p{i}", "prompt": "", "accept": [], "baseline": "", "candidate": "", "baseline_ids": [],
                 "candidate_ids": []} for i in range(answered)]

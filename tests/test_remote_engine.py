@@ -26,7 +26,7 @@ from accounts.models import ApiKey, hash_key
 from budgets.guard import counter_store
 from budgets.models import Feature, ModelPrice, Provider, Quota, TokenLog
 from inference.models import Transcript
-from inference.remote import CONNECT_TIMEOUT_S
+from inference.worker.remote import CONNECT_TIMEOUT_S
 from project.stack import free_port
 from tests.conftest import session_cookie, wait_for
 from tests.wsclient import chat, chat_frame, chat_socket, next_frame, send

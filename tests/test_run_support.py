@@ -12,7 +12,8 @@ from django.contrib.auth.models import User
 from django.core.management import call_command
 
 from budgets.models import Feature
-from inference.modelfiles import CONVERTED_NAME, bundled_gguf_path, conversion_lock, is_complete, model_dir
+from inference.engine.weights import CONVERTED_NAME, bundled_gguf_path, conversion_lock, is_complete
+from inference.engines import model_dir
 from project import stack
 
 
@@ -66,7 +67,7 @@ def test_a_process_that_finds_a_conversion_under_way_waits_for_it_and_converts_n
     waiting_line = ""
     with conversion_lock(target):
         child = subprocess.Popen(
-            [sys.executable, "-c", "import django; django.setup(); from inference.modelfiles import model_dir; "
+            [sys.executable, "-c", "import django; django.setup(); from inference.engines import model_dir; "
              "print('using', model_dir(), flush=True)"],
             cwd=settings.BASE_DIR,
             env=stack.child_env(CEILING_VAR_DIR=str(tmp_path), DJANGO_SETTINGS_MODULE="project.settings"),

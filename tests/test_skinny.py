@@ -1,10 +1,10 @@
-"""inference/skinny.py: decode-sized linear layers as W·xᵀ give F.linear's results, only where measured faster."""
+"""inference/engine/patches/linears.py: decode-sized linear layers as W·xᵀ give F.linear's results, only where measured faster."""
 
 import pytest
 import torch
 from torch import nn
 
-from inference.skinny import (
+from inference.engine.patches.linears import (
     ROW_BUCKETS,
     SKINNY_MAX_ROWS,
     BucketTiming,

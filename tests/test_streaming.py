@@ -8,9 +8,14 @@ import uuid
 
 import pytest
 
-from inference import bus
-from inference.generation import FrameBuffer, IncrementalDecoder
-from inference.tokenizer import get_tokenizer
+from inference.bus import stats
+from inference.bus.clients import redis_client
+from inference.bus.inbox import INBOX_KEY_PREFIX, StreamInbox, stream_inbox
+from inference.bus.outbox import INBOX_EXPIRY_S, ChannelSender
+from inference.bus.ownership import RUNNING_KEY, claim_request, release_claim
+from inference.engine.detokenizer import IncrementalDecoder
+from inference.web.tokenizer import get_tokenizer
+from inference.worker.generation import FrameBuffer
 
 TEXTS = [
     "Hello there! How can I help you today?",
@@ -93,8 +98,8 @@ async def _receive_all(queue: asyncio.Queue, count: int) -> list[dict]:
     return [await asyncio.wait_for(queue.get(), timeout=10) for _ in range(count)]
 
 
-async def _send_and_receive(sender: bus.ChannelSender, request_ids: list[str], tokens: int) -> dict[str, list[dict]]:
-    inbox = bus.stream_inbox()
+async def _send_and_receive(sender: ChannelSender, request_ids: list[str], tokens: int) -> dict[str, list[dict]]:
+    inbox = stream_inbox()
     queues = {request_id: inbox.open(request_id) for request_id in request_ids}
     for seq in range(tokens):
         for request_id in request_ids:
@@ -107,7 +112,7 @@ async def _send_and_receive(sender: bus.ChannelSender, request_ids: list[str], t
 
 @pytest.mark.django_db
 def test_each_requests_frames_arrive_in_order_and_the_final_frame_last(redis_db):
-    sender = bus.ChannelSender()
+    sender = ChannelSender()
     request_ids = [f"order-{uuid.uuid4().hex}" for _ in range(4)]
     received = asyncio.run(_send_and_receive(sender, request_ids, tokens=150))
     for request_id, messages in received.items():
@@ -116,14 +121,14 @@ def test_each_requests_frames_arrive_in_order_and_the_final_frame_last(redis_db)
 
 
 def _bundles(key: str) -> list[list[dict]]:
-    return [json.loads(raw) for raw in bus.redis_client().lrange(key, 0, -1)]
+    return [json.loads(raw) for raw in redis_client().lrange(key, 0, -1)]
 
 
 @pytest.mark.django_db
 def test_frames_handed_over_together_go_out_together_one_push_per_inbox(redis_db):
     """An engine step's frames for every request of a web process arrive in one bundle, not one each."""
-    sender = bus.ChannelSender()
-    inboxes = [f"{bus.INBOX_KEY_PREFIX}test-{uuid.uuid4().hex}" for _ in range(2)]
+    sender = ChannelSender()
+    inboxes = [f"{INBOX_KEY_PREFIX}test-{uuid.uuid4().hex}" for _ in range(2)]
     request_ids = {inbox: [f"r{i}-{uuid.uuid4().hex}" for i in range(10)] for inbox in inboxes}
     for step in range(3):
         for inbox in inboxes:
@@ -138,40 +143,40 @@ def test_frames_handed_over_together_go_out_together_one_push_per_inbox(redis_db
         for request_id in request_ids[inbox]:
             assert [f["seq"] for f in frames if f["request_id"] == request_id] == [0, 1, 2]
         assert len(bundles) < len(frames) / 5, f"{len(frames)} frames in {len(bundles)} pushes"
-        assert 0 < bus.redis_client().ttl(inbox) <= bus.INBOX_EXPIRY_S
+        assert 0 < redis_client().ttl(inbox) <= INBOX_EXPIRY_S
 
 
 @pytest.fixture
 def heartbeat():
     """Progress is recorded only by a worker that publishes a heartbeat (others cannot be checked)."""
-    bus._heartbeat.set()
+    stats.heartbeat.set()
     yield
-    bus._heartbeat.clear()
+    stats.heartbeat.clear()
 
 
 @pytest.mark.django_db
 @pytest.mark.parametrize("inbox", ["", "ceiling:inbox:progress-test"])
 def test_progress_is_recorded_before_each_frame_and_never_after_the_claim_is_released(redis_db, heartbeat, inbox):
     """Also with nobody listening (a batch item): the ledger of a dead worker needs the count."""
-    sender = bus.ChannelSender()
+    sender = ChannelSender()
     request_id = f"progress-{uuid.uuid4().hex}"
-    key = bus.RUNNING_KEY.format(request_id)
-    bus.claim_request(request_id, ttl_s=60)
+    key = RUNNING_KEY.format(request_id)
+    claim_request(request_id, ttl_s=60)
     for seq in range(20):
         sender.send_frame(inbox, request_id, _token(request_id, seq), tokens_streamed=seq + 1)
     assert sender.send_frame(inbox, request_id, {"type": "chat.done"}, wait=True)  # after every token before it
-    assert bus.redis_client().hget(key, "tokens") == b"20"
-    assert 0 < bus.redis_client().ttl(key) <= 60
+    assert redis_client().hget(key, "tokens") == b"20"
+    assert 0 < redis_client().ttl(key) <= 60
 
-    bus.release_claim(request_id)
+    release_claim(request_id)
     sender.send_frame(inbox, request_id, _token(request_id, 20), tokens_streamed=21)
     assert sender.send_frame(inbox, request_id, {"type": "chat.done"}, wait=True)
-    assert not bus.redis_client().exists(key), "a late progress write must not leave a key without a TTL"
-    bus.redis_client().delete(inbox or "unused")
+    assert not redis_client().exists(key), "a late progress write must not leave a key without a TTL"
+    redis_client().delete(inbox or "unused")
 
 
-async def _unsendable_then_sent(sender: bus.ChannelSender, request_id: str) -> tuple[bool, bool, list[dict]]:
-    inbox = bus.stream_inbox()
+async def _unsendable_then_sent(sender: ChannelSender, request_id: str) -> tuple[bool, bool, list[dict]]:
+    inbox = stream_inbox()
     queue = inbox.open(request_id)
     failed = sender.send_frame(inbox.key, request_id, {"type": "chat.token", "request_id": request_id, "bad": object()})
     sender.send_frame(inbox.key, request_id, {"type": "chat.token", "request_id": request_id, "n": 2}, tokens_streamed=1)
@@ -183,7 +188,7 @@ async def _unsendable_then_sent(sender: bus.ChannelSender, request_id: str) -> t
 @pytest.mark.django_db
 def test_a_frame_that_cannot_be_sent_is_reported_and_does_not_block_the_later_frames(redis_db):
     request_id = f"fail-{uuid.uuid4().hex}"
-    failed, sent, received = asyncio.run(_unsendable_then_sent(bus.ChannelSender(), request_id))
+    failed, sent, received = asyncio.run(_unsendable_then_sent(ChannelSender(), request_id))
     assert failed is False and sent is True
     assert received == [{"type": "chat.token", "request_id": request_id, "n": 2},
                         {"type": "chat.done", "request_id": request_id, "n": 3}]
@@ -193,25 +198,25 @@ def test_a_frame_that_cannot_be_sent_is_reported_and_does_not_block_the_later_fr
 def test_a_full_inbox_drops_the_send_and_says_so(redis_db, settings):
     """A web process that stopped reading must not grow a list without bound; the ledger has the rest."""
     settings.CEILING_CHANNEL_CAPACITY = 2
-    sender = bus.ChannelSender()
-    inbox = f"{bus.INBOX_KEY_PREFIX}full-{uuid.uuid4().hex}"
+    sender = ChannelSender()
+    inbox = f"{INBOX_KEY_PREFIX}full-{uuid.uuid4().hex}"
     results = [sender.send_frame(inbox, "r", _token("r", seq), wait=True) for seq in range(4)]
     assert results == [True, True, False, False]
     assert [bundle[0]["seq"] for bundle in _bundles(inbox)] == [0, 1]
-    bus.redis_client().delete(inbox)
+    redis_client().delete(inbox)
 
 
 async def _reader_lifecycle() -> list:
-    inbox = bus.stream_inbox()
-    assert bus.stream_inbox() is inbox  # one per event loop
-    client = bus.redis_client()
+    inbox = stream_inbox()
+    assert stream_inbox() is inbox  # one per event loop
+    client = redis_client()
     seen = []
     queue = inbox.open("mine")
     client.rpush(inbox.key, b"not json", b'{"request_id": "mine"}', json.dumps([{"request_id": ["mine"]}, 7]),
                  json.dumps([{"request_id": "someone-elses", "n": 0}, {"request_id": "mine", "n": 1}]))
     seen.append(await asyncio.wait_for(queue.get(), timeout=5))
     inbox.close("mine")
-    await asyncio.sleep(bus.StreamInbox.BLOCK_S + 1.0)
+    await asyncio.sleep(StreamInbox.BLOCK_S + 1.0)
     seen.append(inbox._reader is None)  # nothing open: no reader blocks on Redis
     queue = inbox.open("mine-again")
     client.rpush(inbox.key, json.dumps([{"request_id": "mine", "n": 2}, {"request_id": "mine-again", "n": 3}]))

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
 from budgets.models import TokenLog
-from inference.frames import CancelFrame, FrameError, parse_frame
+from inference.web.frames import CancelFrame, FrameError, parse_frame
 from tests.conftest import session_cookie
 from tests.wsclient import chat_frame, chat_socket, next_frame, read_until_end
 

@@ -2,7 +2,7 @@
 
 Input comes through a Form; every change is saved by budgets.actions with one AuditEntry per
 changed field in the same transaction, and a form that is not valid changes nothing. Usage is read
-from the TokenLog ledger with one aggregate query per page, never row by row.
+from the TokenLog ledger by budgets.usage, one aggregate query per page, never row by row.
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ from django.contrib import messages
 from django.contrib.auth import get_user_model
 from django.core.paginator import Page, Paginator
 from django.db import transaction
-from django.db.models import Count, F, Max, Q, QuerySet, Sum
+from django.db.models import Count, Max, Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 
-from ..actions import do_save_with_audit, do_set_quota, exact_usd, snapshot
-from ..counters import Usage
+from ..actions import do_save_with_audit, do_set_quota, snapshot
 from ..forms import (
     AuditFilterForm,
     CapsForm,
@@ -29,15 +28,13 @@ from ..forms import (
     ProviderForm,
     SearchForm,
     caps_forms,
-    caps_of,
     describe_caps,
     known_models,
 )
-from ..guard import SETTLED
 from ..models import AuditEntry, Feature, ModelPrice, Period, Provider, Quota, TokenLog
-from ..money import format_usd
-from ..periods import period_bounds
+from ..money import exact_usd, format_usd
 from ..permissions import staff_required
+from ..usage import NO_USAGE, Gauge, caps_of, effective_caps, gauges, total_usage, usage_by
 
 USERS_PER_PAGE = 50
 AUDIT_PER_PAGE = 50
@@ -51,93 +48,6 @@ PRICE_FIELDS = (
     "cached_input_per_million_micro_usd",
     "effective_from",
 )
-NO_USAGE = {Period.DAY: Usage(), Period.MONTH: Usage()}
-
-
-# --- usage from the ledger -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Gauge:
-    """What was used so far against a cap, as one table cell shows it."""
-
-    used: int
-    cap: int | None
-    money: bool = False
-    uncapped: str = "no cap"
-
-    def _text(self, amount: int) -> str:
-        return format_usd(amount) if self.money else f"{amount:,}"
-
-    @property
-    def used_text(self) -> str:
-        return self._text(self.used)
-
-    @property
-    def cap_text(self) -> str:
-        return self.uncapped if self.cap is None else self._text(self.cap)
-
-    @property
-    def full(self) -> bool:
-        return self.cap is not None and self.used >= self.cap
-
-
-def gauges(usage: Usage, caps: dict[str, int | None]) -> list[Gauge]:
-    return [
-        Gauge(usage.requests, caps["max_requests"]),
-        Gauge(usage.tokens, caps["max_tokens"]),
-        Gauge(usage.cost_micro_usd, caps["max_cost_micro_usd"], money=True),
-    ]
-
-
-def usage_by(logs: QuerySet, group_by: str, now: datetime) -> dict[object, dict[str, Usage]]:
-    """Today's and this month's settled usage per `group_by` value: one aggregate query.
-
-    Running and refused rows are not "used" (the guard counts them the same way); today lies
-    inside this month, so one month-wide scan with a conditional filter gives both.
-    """
-    day_start, day_end = period_bounds(Period.DAY, now)
-    month_start, month_end = period_bounds(Period.MONTH, now)
-    today = Q(created_at__gte=day_start, created_at__lt=day_end)
-    tokens = F("prompt_tokens") + F("completion_tokens")
-    rows = (
-        logs.filter(SETTLED, created_at__gte=month_start, created_at__lt=month_end)
-        .order_by()
-        .values(group_by)
-        .annotate(
-            day_requests=Count("id", filter=today),
-            day_tokens=Sum(tokens, filter=today),
-            day_cost=Sum("cost_micro_usd", filter=today),
-            month_requests=Count("id"),
-            month_tokens=Sum(tokens),
-            month_cost=Sum("cost_micro_usd"),
-        )
-    )
-    return {
-        row[group_by]: {
-            Period.DAY: Usage(row["day_requests"], row["day_tokens"] or 0, row["day_cost"] or 0),
-            Period.MONTH: Usage(row["month_requests"], row["month_tokens"] or 0, row["month_cost"] or 0),
-        }
-        for row in rows
-    }
-
-
-def _total(usages: list[dict[str, Usage]]) -> dict[str, Usage]:
-    """Sum of a few already-aggregated groups (one per feature), not of log rows."""
-    return {
-        period: Usage(
-            sum(u[period].requests for u in usages),
-            sum(u[period].tokens for u in usages),
-            sum(u[period].cost_micro_usd for u in usages),
-        )
-        for period in (Period.DAY, Period.MONTH)
-    }
-
-
-def _effective(quotas: dict[tuple[bool, str], Quota], period: str) -> tuple[dict[str, int | None], bool]:
-    """The caps in force for one period (a user's own row replaces the default) and whether they are own."""
-    own = quotas.get((True, period))
-    return caps_of(own or quotas.get((False, period))), own is not None
 
 
 # --- users and their caps ------------------------------------------------------------------------
@@ -184,14 +94,14 @@ def user_detail(request: HttpRequest, user_id: int) -> HttpResponse:
     if request.method == "POST" and _save_caps(request, forms, user=person) is not None:
         return redirect("staff-user", person.pk)
     usage = usage_by(TokenLog.objects.filter(user=person), "feature_id", timezone.now())
-    total = _total(list(usage.values()))
+    total = total_usage(list(usage.values()))
     for form in forms:
         form.used = (usage.get(form.feature.pk, NO_USAGE) if form.feature else total)[form.period]
         form.default_text = describe_caps(form.default_caps)
     scoped = {(q.user_id is not None, q.period): q for q in quotas if q.feature_id is None}
     summary = []
     for period, label in ((Period.DAY, "Today"), (Period.MONTH, "This month")):
-        caps, own = _effective(scoped, period)
+        caps, own = effective_caps(scoped, period)
         summary.append({"label": label, "own": own, "gauges": gauges(total[period], caps)})
     context = {"person": person, "scopes": _scopes(forms), "summary": summary, "for_user": True}
     return render(request, "budgets/user_detail.html", context)
@@ -226,11 +136,11 @@ def _save_caps(request: HttpRequest, forms: list[CapsForm], *, user) -> int | No
             if form.has_changed()
             for entry in do_set_quota(request.user, user=user, feature=form.feature, period=form.period, caps=form.caps())
         ]
-    _flash_saved(request, len(entries))
+    flash_saved(request, len(entries))
     return len(entries)
 
 
-def _flash_saved(request: HttpRequest, changes: int) -> None:
+def flash_saved(request: HttpRequest, changes: int) -> None:
     if changes:
         messages.success(request, f"Saved ({changes} change{'s' if changes != 1 else ''}).")
     else:
@@ -254,54 +164,6 @@ def features(request: HttpRequest) -> HttpResponse:
         feature.month = usage.get(feature.pk, NO_USAGE)[Period.MONTH]
         feature.month_cost = format_usd(feature.month.cost_micro_usd)
     return render(request, "budgets/features.html", {"features": rows, "form": form})
-
-
-@staff_required
-def feature_detail(request: HttpRequest, feature_id: int) -> HttpResponse:
-    feature = get_object_or_404(Feature.objects.select_related("provider"), pk=feature_id)
-    if request.method == "POST" and request.POST.get("form") == "quantization":
-        return _switch_quantization(request, feature)
-    before = snapshot(feature, FEATURE_FIELDS)  # the form writes into the instance while validating
-    form = FeatureForm(request.POST if request.method == "POST" else None, instance=feature)
-    if form.is_bound and form.is_valid():
-        entries = do_save_with_audit(request.user, feature, FEATURE_FIELDS, before, target=f"feature {feature.name}")
-        _flash_saved(request, len(entries))
-        return redirect("staff-feature", feature.pk)
-    context = {"feature": feature, "name": before["name"], "form": form} | _quantization_context(feature)
-    return render(request, "budgets/feature_detail.html", context)
-
-
-def _quantization_context(feature: Feature) -> dict:
-    """Each quantized variant's latest evaluation of the feature and why a switch to it would be refused (or None)."""
-    from inference.actions import evaluation_refusal
-    from inference.models import QuantizationEvaluation
-
-    candidates = []
-    for mode, label in Feature.Quantization.choices:
-        if mode == Feature.Quantization.NONE:
-            continue
-        latest = QuantizationEvaluation.latest_for(feature, mode)  # one query per variant, read once
-        candidates.append(
-            {"mode": mode, "label": label, "evaluation": latest, "switch_refusal": evaluation_refusal(feature, mode, latest)}
-        )
-    return {"candidates": candidates}
-
-
-def _switch_quantization(request: HttpRequest, feature: Feature) -> HttpResponse:
-    """Serve the feature with other weights; refused with the reason unless its latest evaluation passed."""
-    from inference.actions import SwitchRefused, do_switch_quantization
-
-    mode = request.POST.get("quantization", "")
-    try:
-        entries = do_switch_quantization(request.user, feature, mode)
-    except SwitchRefused as exc:
-        messages.error(request, f"Not switched: {exc}")
-    else:
-        if entries:
-            messages.success(request, f"{feature.name} is now served with {feature.get_quantization_display()}.")
-        else:
-            messages.info(request, f"{feature.name} was already served with {feature.get_quantization_display()}.")
-    return redirect("staff-feature", feature.pk)
 
 
 # --- providers and prices ------------------------------------------------------------------------
@@ -333,7 +195,7 @@ def provider_detail(request: HttpRequest, provider_id: int) -> HttpResponse:
     price_form = PriceForm(request.POST if posted == "price" else None, provider=provider, known_models=models)
     if posted == "provider" and provider_form.is_valid():
         entries = do_save_with_audit(request.user, provider, PROVIDER_FIELDS, before, target=f"provider {provider.name}")
-        _flash_saved(request, len(entries))
+        flash_saved(request, len(entries))
         return redirect("staff-provider", provider.pk)
     if posted == "price" and price_form.is_valid():
         price = price_form.build()

@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import csv
 from collections.abc import AsyncIterator, Iterator
-from datetime import UTC, datetime, time, timedelta
+from datetime import timedelta
 from itertools import islice
 
 from asgiref.sync import sync_to_async
-from django import forms
-from django.contrib.auth import get_user_model
 from django.contrib.auth.decorators import login_required
 from django.core.handlers.asgi import ASGIRequest
-from django.core.validators import RegexValidator
 from django.db.models import Q, QuerySet
 from django.http import StreamingHttpResponse
 from django.shortcuts import render
 from django.utils import timezone
 
-from ..models import Feature, Period, TokenLog
-from ..periods import local_zone, period_bounds
+from ..forms import Cursor, LogFilterForm, PeriodForm, Position
+from ..models import TokenLog
+from ..periods import period_bounds
 from ..permissions import staff_required
 from ..usage import cost_per_user as cost_tail
 from ..usage import my_usage as usage_for
@@ -31,103 +29,10 @@ CSV_COLUMNS = [
     "created_at", "request_id", "user", "feature", "model", "status", "refusal_code",
     "prompt_tokens", "completion_tokens", "cost_usd", "ttft_ms", "total_ms",
 ]
-Position = tuple[datetime, int]  # a keyset cursor: (created_at, id)
 _CSV_FIELDS = [
     "created_at", "request_id", "user__username", "feature__name", "model", "status", "refusal_code",
     "prompt_tokens", "completion_tokens", "cost_micro_usd", "ttft_ms", "total_ms",
 ]
-
-
-# --- forms ---------------------------------------------------------------------------------------
-
-
-class PeriodForm(forms.Form):
-    period = forms.ChoiceField(choices=[(Period.MONTH, "This month"), (Period.DAY, "Today")], required=False)
-
-    def period_or_default(self) -> str:
-        return (self.is_valid() and self.cleaned_data["period"]) or Period.MONTH
-
-
-class Cursor:
-    """A keyset position (created_at, id) as it travels in the URL: '<epoch microseconds>_<id>'."""
-
-    EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-    @classmethod
-    def encode(cls, row: TokenLog) -> str:
-        delta = row.created_at - cls.EPOCH
-        micros = (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
-        return f"{micros}_{row.pk}"
-
-    @classmethod
-    def decode(cls, raw: str) -> Position:
-        micros, _, pk = raw.partition("_")
-        try:
-            # timedelta, not fromtimestamp(): a float would lose the microseconds the keyset needs.
-            return cls.EPOCH + timedelta(microseconds=int(micros)), int(pk)
-        except (ValueError, OverflowError):
-            raise forms.ValidationError("This page link is damaged; start again from the newest rows.") from None
-
-
-class LogFilterForm(forms.Form):
-    user = forms.CharField(required=False, max_length=150, label="User")
-    feature = forms.ModelChoiceField(
-        Feature.objects.order_by("name"), required=False, to_field_name="name", empty_label="any"
-    )
-    status = forms.ChoiceField(choices=[("", "any"), *TokenLog.Status.choices], required=False)
-    refusal_code = forms.CharField(
-        required=False, max_length=64, label="Refusal code",
-        validators=[RegexValidator(r"^[a-z0-9_]+$", "Refusal codes are lowercase letters, digits and _.")],
-    )
-    date_from = forms.DateField(required=False, label="From", widget=forms.DateInput(attrs={"type": "date"}))
-    date_to = forms.DateField(required=False, label="To (inclusive)", widget=forms.DateInput(attrs={"type": "date"}))
-    before = forms.CharField(required=False, widget=forms.HiddenInput)
-    after = forms.CharField(required=False, widget=forms.HiddenInput)
-
-    def clean_user(self):
-        username = self.cleaned_data["user"].strip()
-        if not username:
-            return None
-        # Resolved to an id here, so the query uses the (user, created_at) index without a join.
-        user = get_user_model().objects.filter(username=username).only("id", "username").first()
-        if user is None:
-            raise forms.ValidationError(f"There is no user named {username!r}.")
-        return user
-
-    def clean_before(self) -> Position | None:
-        raw = self.cleaned_data["before"]
-        return Cursor.decode(raw) if raw else None
-
-    def clean_after(self) -> Position | None:
-        raw = self.cleaned_data["after"]
-        return Cursor.decode(raw) if raw else None
-
-    def clean(self):
-        data = super().clean()
-        start, end = data.get("date_from"), data.get("date_to")
-        if start and end and start > end:
-            self.add_error("date_to", "The end date is before the start date.")
-        return data
-
-    def filtered(self) -> QuerySet[TokenLog]:
-        """The rows these filters select, in no particular order (only call when valid)."""
-        data = self.cleaned_data
-        rows = TokenLog.objects.all()
-        if data["user"]:
-            rows = rows.filter(user=data["user"])
-        if data["feature"]:
-            rows = rows.filter(feature=data["feature"])
-        if data["status"]:
-            rows = rows.filter(status=data["status"])
-        if data["refusal_code"]:
-            rows = rows.filter(refusal_code=data["refusal_code"])
-        # Dates are calendar days in settings.TIME_ZONE, like every period in Ceiling.
-        if data["date_from"]:
-            rows = rows.filter(created_at__gte=datetime.combine(data["date_from"], time(), tzinfo=local_zone()))
-        if data["date_to"]:
-            day_after = data["date_to"] + timedelta(days=1)
-            rows = rows.filter(created_at__lt=datetime.combine(day_after, time(), tzinfo=local_zone()))
-        return rows
 
 
 # --- cost per user -------------------------------------------------------------------------------

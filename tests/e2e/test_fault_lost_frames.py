@@ -33,7 +33,7 @@ def a_finished_request(user, feature, text: str) -> str:
 
 
 def tokens_streamed(private, request_id: str) -> int:
-    """The worker's own count of tokens it streamed (inference/bus.py ChannelSender.send_frame)."""
+    """The worker's own count of tokens it streamed (inference/bus/ ChannelSender.send_frame)."""
     return int(private.redis.client().hget(f"ceiling:running:{request_id}", "tokens") or 0)
 
 

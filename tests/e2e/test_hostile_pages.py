@@ -13,9 +13,9 @@ from django.conf import settings
 from django.utils import timezone
 
 from budgets.models import Feature, TokenLog
-from inference import caches
 from inference.models import BatchJob
-from inference.tokenizer import model_name
+from inference.web import caches
+from inference.web.tokenizer import model_name
 from tests.e2e.test_chat_page import log_in
 from tests.test_access_control import routes, rule_of
 

@@ -7,8 +7,9 @@ import json
 from django.core.management.base import BaseCommand, CommandError
 
 from budgets import costmodel
+from budgets.costmodel_data import initial_from_logs
+from budgets.forms import CostModelForm
 from budgets.models import Feature, ModelPrice
-from budgets.views.costmodel import CostModelForm, initial_from_logs
 
 OVERRIDES = {
     "users": "users", "target": "target_usd", "system_prompt_tokens": "system_prompt_tokens",

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from decimal import Decimal, InvalidOperation
-
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
+from django.db import transaction
 
+from budgets.actions import QUOTA_FIELDS, do_set_quota
 from budgets.models import Feature, Period, Quota
+from budgets.money import NegativeAmount, TooPrecise, parse_usd
+
+# The audit trail's actor: no person is logged in on the command line, so the entry has none
+# (the audit page shows "—"), exactly as AuditEntry.actor allows.
+COMMAND_LINE_ACTOR = None
 
 
 class Command(BaseCommand):
@@ -31,8 +36,11 @@ class Command(BaseCommand):
         feature_obj = self._feature(feature) if feature else None
         scope = dict(user=user, feature=feature_obj, period=period)
         if clear:
-            deleted, _ = Quota.objects.filter(**scope).delete()
-            self.stdout.write(f"removed {deleted} cap(s)")
+            # Through do_set_quota like the dashboard, so the removal is in the audit trail too.
+            with transaction.atomic():
+                existed = Quota.objects.select_for_update().filter(**scope).exists()
+                do_set_quota(COMMAND_LINE_ACTOR, caps=None, **scope)
+            self.stdout.write(f"removed {int(existed)} cap(s)")
             return
         values = {
             "max_requests": _non_negative("--requests", requests),
@@ -41,11 +49,13 @@ class Command(BaseCommand):
         }
         if all(v is None for v in values.values()):
             raise CommandError("Give at least one of --requests, --tokens, --cost-usd (or --clear).")
-        quota, _ = Quota.objects.get_or_create(**scope)
-        for field, value in values.items():
-            if value is not None:
-                setattr(quota, field, value)
-        quota.save()
+        with transaction.atomic():
+            # A flag left out keeps the scope's current cap (do_set_quota replaces all three).
+            current = Quota.objects.select_for_update().filter(**scope).first()
+            caps = {name: getattr(current, name) if current else None for name in QUOTA_FIELDS}
+            caps |= {name: value for name, value in values.items() if value is not None}
+            do_set_quota(COMMAND_LINE_ACTOR, caps=caps, **scope)
+        quota = Quota.objects.select_related("user", "feature").get(**scope)
         self.stdout.write(self.style.SUCCESS(f"{quota}: requests={quota.max_requests} tokens={quota.max_tokens} "
                                              f"cost_micro_usd={quota.max_cost_micro_usd}"))
 
@@ -72,9 +82,10 @@ def _micro_usd(raw: str | None) -> int | None:
     if raw is None:
         return None
     try:
-        dollars = Decimal(raw)
-    except InvalidOperation:
+        return parse_usd(raw)
+    except NegativeAmount:
+        raise CommandError(f"--cost-usd must be zero or more, not {raw}.") from None
+    except TooPrecise as exc:
+        raise CommandError(f"--cost-usd: {exc}") from None
+    except ValueError:
         raise CommandError(f"--cost-usd {raw!r} is not an amount in dollars.") from None
-    if not dollars.is_finite() or dollars < 0:
-        raise CommandError(f"--cost-usd must be zero or more, not {raw}.")
-    return int(dollars * 1_000_000)

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json as jsonlib
+from dataclasses import asdict
 from pathlib import Path
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from inference.bench import report
-from inference.bench.measure import BenchError, machine_facts, measured_flops, roofline_tokens_per_s
-from inference.bench.modes import run_in_child
-from inference.bench.workload import WorkloadSpec, describe, mixed_workload
-from inference.modelfiles import model_dir
-from inference.quantization import MODES
+from inference.engine.bench import report
+from inference.engine.bench.measure import BenchError, machine_facts, measured_flops, roofline_tokens_per_s
+from inference.engine.bench.modes import run_in_child
+from inference.engine.bench.peer import run_peer
+from inference.engine.bench.workload import WorkloadSpec, describe, mixed_workload
+from inference.engine.patches.quantization import MODES
+from inference.engines import model_dir
 
-ALL_MODES = ("sequential", "static", "engine", "stack", "prefix")
+ALL_MODES = ("sequential", "static", "engine", "stack", "prefix", "peer")
+DEFAULT_MODES = ALL_MODES[:-1]  # peer runs when --peer names a server
 QUICK_REQUESTS = 24
 
 
@@ -30,14 +33,18 @@ class Command(BaseCommand):
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--shared-fraction", type=float, default=0.25, help="share of requests with the long system prompt")
         parser.add_argument("--max-output-tokens", type=int, default=256, help="cap on output lengths (smoke runs only)")
-        parser.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma-separated, of {', '.join(ALL_MODES)}")
+        parser.add_argument("--modes", default=None,
+                            help=f"comma-separated, of {', '.join(ALL_MODES)} (default: all but peer, plus peer with --peer)")
+        parser.add_argument("--peer", metavar="URL",
+                            help="an OpenAI-compatible server (e.g. llama.cpp's llama-server) to replay the same workload "
+                                 "against as the peer mode, in the same run (docs/benchmarks.md says how to build one)")
         parser.add_argument("--threads", type=int, default=settings.CEILING_TORCH_THREADS)
         parser.add_argument("--attention", choices=("varlen", "sdpa"), default=settings.CEILING_ATTENTION)
         parser.add_argument("--skinny-linear", action=argparse.BooleanOptionalAction, default=settings.CEILING_SKINNY_LINEAR,
-                            help="decode-sized matmuls as W·xᵀ where the engine measures that faster when it loads (inference/skinny.py)")
+                            help="decode-sized matmuls as W·xᵀ where the engine measures that faster when it loads (inference/engine/patches/linears.py)")
         parser.add_argument("--max-batch-tokens", type=int, default=settings.CEILING_MAX_BATCH_TOKENS)
         parser.add_argument("--quantization", choices=MODES, default=settings.CEILING_QUANTIZATION,
-                            help="the weight variant of the engine and stack modes (inference/quantization.py); "
+                            help="the weight variant of the engine and stack modes (inference/engine/patches/quantization.py); "
                                  "sequential and static always run transformers' generate in full precision")
         parser.add_argument("--stream-interval", type=int, default=settings.CEILING_STREAM_INTERVAL,
                             help="the stack's tokens per frame after the first (CEILING_STREAM_INTERVAL)")
@@ -49,7 +56,7 @@ class Command(BaseCommand):
                                  "median run by tokens/s (prefix runs once)")
 
     def handle(self, *args, **options) -> None:
-        modes = self._modes(options["modes"])
+        modes = self._modes(options["modes"], options["peer"])
         spec = self._spec(options)
         html_path = options["html"] or Path(settings.VAR_DIR) / "bench" / "report.html"
         for path in (options["json"], html_path):
@@ -73,11 +80,15 @@ class Command(BaseCommand):
         html_path.with_suffix(".details.json").write_text(jsonlib.dumps(details, indent=1))
         self.stdout.write(f"HTML report: {html_path} (per-request timings beside it, .details.json)")
 
-    def _modes(self, raw: str) -> list[str]:
+    def _modes(self, raw: str | None, peer: str | None) -> list[str]:
+        if raw is None:
+            raw = ",".join(DEFAULT_MODES + (("peer",) if peer else ()))
         modes = [m.strip() for m in raw.split(",") if m.strip()]
         unknown = sorted(set(modes) - set(ALL_MODES))
         if unknown or not modes:
             raise CommandError(f"unknown mode(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(ALL_MODES)}")
+        if "peer" in modes and not peer:
+            raise CommandError("the peer mode needs --peer URL: the OpenAI-compatible server to compare with")
         return [m for m in ALL_MODES if m in modes]
 
     def _spec(self, options) -> WorkloadSpec:
@@ -139,6 +150,8 @@ class Command(BaseCommand):
                     continue
                 if mode == "stack":
                     run = self._stack(requests, threads, engine_options, options["stream_interval"])
+                elif mode == "peer":
+                    run = asdict(run_peer(options["peer"], requests))
                 else:
                     run = run_in_child(
                         mode, folder, requests, {"threads": threads, "engine_options": engine_options}, options["mode_timeout"]
@@ -158,9 +171,7 @@ class Command(BaseCommand):
         return result, details
 
     def _stack(self, requests, threads: int, engine_options: dict, stream_interval: int) -> dict:
-        from dataclasses import asdict
-
-        from inference.bench.stack import run_stack
+        from inference.tools.stack_bench import run_stack
 
         env = {
             "CEILING_ATTENTION": engine_options["attention"],

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
-from inference.bench.prefix import prefix_sharing
-from inference.modelfiles import model_dir
+from inference.engine.bench.prefix import prefix_sharing
+from inference.engines import model_dir
 
 
 class Command(BaseCommand):

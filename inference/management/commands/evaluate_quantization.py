@@ -10,17 +10,24 @@ from django.core.management.base import BaseCommand, CommandError
 
 from budgets.models import Feature
 from inference.actions import do_record_evaluation
-from inference.engine import Engine, EngineConfig
-from inference.evaluate import MAX_NEW_TOKENS, EvaluationError, combine, load_prompts, mixed_workload, run_variant
-from inference.modelfiles import model_dir
-from inference.quantization import BF16, INT8, NONE, Q4, QuantizationError
+from inference.engine import Engine
+from inference.engine.evaluate import (
+    MAX_NEW_TOKENS,
+    EvaluationError,
+    combine,
+    load_prompts,
+    mixed_workload,
+    run_variant,
+)
+from inference.engine.patches.quantization import BF16, INT8, NONE, Q4, QuantizationError
+from inference.engines import engine_config_from_settings, model_dir
 
 
 class Command(BaseCommand):
     help = "Answer the feature's prompt set with the full-precision and the quantized model; store and print the verdict."
 
     def add_arguments(self, parser) -> None:
-        parser.add_argument("--feature", required=True, help="a feature with a prompt set in inference/evaluation/")
+        parser.add_argument("--feature", required=True, help="a feature with a prompt set in inference/engine/evaluation/")
         parser.add_argument("--mode", default=INT8, choices=[INT8, Q4, BF16], help="the quantization to evaluate")
         parser.add_argument("--limit", type=int, help="answer only the first N prompts (a partial run approves nothing)")
         parser.add_argument("--json", dest="json_path", help="also write the results as JSON to this path ('-' = stdout)")
@@ -64,7 +71,7 @@ class Command(BaseCommand):
                 Path(json_path).write_text(text)
 
     def _engine(self, variant: str) -> Engine:
-        engine = Engine(EngineConfig.from_settings(model_dir(progress=self.stderr.write), quantization=variant))
+        engine = Engine(engine_config_from_settings(model_dir(progress=self.stderr.write), quantization=variant))
         try:
             engine.load(progress=self.stderr.write)
         except QuantizationError as exc:

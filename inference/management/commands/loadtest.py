@@ -10,7 +10,7 @@ from django.conf import settings
 from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY, get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from inference.loadtest import LoadPlan, NotLoopback, run_load
+from inference.tools.loadtest import LoadPlan, NotLoopback, run_load
 
 
 class Command(BaseCommand):

@@ -51,7 +51,7 @@ class Command(BaseCommand):
         return url
 
     def prepare_model(self) -> None:
-        from inference.modelfiles import model_dir
+        from inference.engines import model_dir
 
         folder = model_dir(progress=self.stdout.write)
         self.stdout.write(f"Model files: {folder}")

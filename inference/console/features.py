@@ -1,0 +1,63 @@
+"""The staff page of one feature: its settings (budgets' form and audit trail) and how it is served.
+
+It lives in inference, not in budgets/views/, because the page also switches the feature's weight
+variant behind the quantization evaluation gate (inference/actions.py), and budgets imports nothing
+of inference. The list of features and every other staff page stay in budgets/views/config.py.
+"""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+
+from budgets.actions import do_save_with_audit, snapshot
+from budgets.forms import FeatureForm
+from budgets.models import Feature
+from budgets.permissions import staff_required
+from budgets.views.config import FEATURE_FIELDS, flash_saved
+from inference.actions import SwitchRefused, do_switch_quantization, evaluation_refusal
+from inference.models import QuantizationEvaluation
+
+
+@staff_required
+def feature_detail(request: HttpRequest, feature_id: int) -> HttpResponse:
+    feature = get_object_or_404(Feature.objects.select_related("provider"), pk=feature_id)
+    if request.method == "POST" and request.POST.get("form") == "quantization":
+        return _switch_quantization(request, feature)
+    before = snapshot(feature, FEATURE_FIELDS)  # the form writes into the instance while validating
+    form = FeatureForm(request.POST if request.method == "POST" else None, instance=feature)
+    if form.is_bound and form.is_valid():
+        entries = do_save_with_audit(request.user, feature, FEATURE_FIELDS, before, target=f"feature {feature.name}")
+        flash_saved(request, len(entries))
+        return redirect("staff-feature", feature.pk)
+    context = {"feature": feature, "name": before["name"], "form": form} | _quantization_context(feature)
+    return render(request, "inference/feature_detail.html", context)
+
+
+def _quantization_context(feature: Feature) -> dict:
+    """Each quantized variant's latest evaluation of the feature and why a switch to it would be refused (or None)."""
+    candidates = []
+    for mode, label in Feature.Quantization.choices:
+        if mode == Feature.Quantization.NONE:
+            continue
+        latest = QuantizationEvaluation.latest_for(feature, mode)  # one query per variant, read once
+        candidates.append(
+            {"mode": mode, "label": label, "evaluation": latest, "switch_refusal": evaluation_refusal(feature, mode, latest)}
+        )
+    return {"candidates": candidates}
+
+
+def _switch_quantization(request: HttpRequest, feature: Feature) -> HttpResponse:
+    """Serve the feature with other weights; refused with the reason unless its latest evaluation passed."""
+    mode = request.POST.get("quantization", "")
+    try:
+        entries = do_switch_quantization(request.user, feature, mode)
+    except SwitchRefused as exc:
+        messages.error(request, f"Not switched: {exc}")
+    else:
+        if entries:
+            messages.success(request, f"{feature.name} is now served with {feature.get_quantization_display()}.")
+        else:
+            messages.info(request, f"{feature.name} was already served with {feature.get_quantization_display()}.")
+    return redirect("staff-feature", feature.pk)

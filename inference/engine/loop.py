@@ -1,0 +1,349 @@
+"""The continuous-batching engine: one per worker process, many requests in one running batch.
+
+It wraps transformers' ContinuousBatchingManager (paged KV cache, block sharing for common
+prefixes). Facts that shape this file (docs/engine.md, checked on transformers 5.24):
+
+- add_request / cancel_request are thread-safe, but reading results is not: get_result(request_id)
+  puts other requests' outputs back and returns None at once. So ONE pump thread reads every output
+  and routes it to a per-request queue registered before add_request, or, for a request submitted
+  with a listener (the worker's chats), calls the listener itself and queues only the end.
+- A streamed output carries all tokens so far; we turn it into "new tokens since last time".
+- A cancelled request never gets a final output: cancel() pushes its own "cancelled" marker.
+- An empty prompt, a request larger than the whole KV cache, or a duplicate request id kill the
+  manager's loop thread: submit() validates first and uses a fresh engine id every time; the pump
+  rebuilds the manager if its thread died anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .chat import encode_chat
+from .config import EngineConfig, EngineError
+from .internals import kv_block_usage, scheduler_counts
+from .owned.manager import OwnedManager
+from .owned.runner import unsupported_reason
+from .patches import attention
+from .patches.linears import describe, measure_row_buckets, plain_linears, use_skinny_linears
+from .patches.quantization import Q4, describe_q4, measure_q4_rows, quantize_model, weights_memory_bytes
+from .stream import CANCELLED, EngineStats, FailedOutput, RequestHandle, StreamEvent
+
+log = logging.getLogger(__name__)
+
+def in_a_passing_thread(work):
+    """Run parallel torch work in a thread that ends with it, and return its result.
+
+    Each thread that runs an OpenMP region keeps its own team of OpenMP threads for as long as it
+    lives. Once a process holds more OpenMP threads than cores, libgomp stops spinning at barriers
+    (its throttled spin count) and every parallel region of the engine's generation thread, hundreds
+    per step, waits on a futex wake instead: one 512×512 matmul in the main thread before the
+    engine started took the bench's engine mode from 147 to 102 tokens/s. A thread that exits takes
+    its team with it (leaving the `with` joins the executor's one thread; its error is re-raised here).
+    """
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-load-work") as executor:
+        return executor.submit(work).result()
+
+
+class Engine:
+    """Loads the model once and serves many concurrent streaming requests from it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = None
+        self.model = None
+        self.manager = None
+        self._handles: dict[str, RequestHandle] = {}  # engine id → handle
+        self._by_request: dict[str, str] = {}  # our request id → engine id
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._pump_thread: threading.Thread | None = None
+        self._tokens_generated = 0
+        self._requests_finished = 0
+        self._peak_running = 0
+        self._restarts = 0
+        self._recent_tokens: deque[tuple[float, int]] = deque()
+        self.weights_bytes = 0
+        self.skinny_buckets: list[int] = []  # decode row buckets computed as W·xᵀ (inference/engine/patches/linears.py)
+        self.q4_max_rows = 0  # steps of up to this many rows read the 4-bit weights (q4 variant only)
+        self.loop = config.loop  # the loop that really runs: "owned" or "transformers" (see _choose_loop)
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def load(self, progress=print) -> None:
+        from transformers import AutoTokenizer
+
+        torch.set_num_threads(self.config.torch_threads)
+        started = time.monotonic()
+        progress(f"Loading tokenizer from {self.config.model_dir}…")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.config.model_dir))
+        progress(f"Loading model weights ({self.config.device})…")
+        # The caller's thread (a worker's main thread) lives on: its torch work must not.
+        in_a_passing_thread(lambda: self._load_model(progress))
+        progress(
+            f"Model loaded in {time.monotonic() - started:.1f} s "
+            f"({self.config.quantization}, weights {self.weights_bytes / 2**20:.0f} MiB)"
+        )
+
+    def _load_model(self, progress) -> None:
+        from transformers import AutoModelForCausalLM
+
+        dtype = torch.bfloat16 if self.config.device.startswith("cuda") else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(
+            str(self.config.model_dir), dtype=dtype, attn_implementation="sdpa"
+        )
+        model = model.to(self.config.device).eval()
+        self.model = quantize_model(model, self.config.quantization)
+        self.weights_bytes = weights_memory_bytes(self.model)
+        on_cpu = not self.config.device.startswith("cuda")
+        self.loop = self._choose_loop(progress)
+        if self.config.attention == "varlen" and on_cpu and self.loop == "transformers":
+            attention.enable(self.model)
+        if self.config.skinny_linear and on_cpu:
+            timings = measure_row_buckets(plain_linears(self.model))
+            self.skinny_buckets = use_skinny_linears(self.model, [t.rows for t in timings if t.skinny_wins])
+            progress(f"Decode linears, F.linear vs W·xᵀ per pass over the weights: {describe(timings)}")
+        if self.config.quantization == Q4:
+            # After the skinny routes: q4 competes with the route an fp32 step would really take.
+            self.q4_max_rows, q4_timings = measure_q4_rows(self.model)
+            progress(f"Decode linears, fp32 vs 4-bit weights per pass over the block linears: {describe_q4(self.q4_max_rows, q4_timings)}")
+
+    def start(self) -> None:
+        if self.model is None:
+            self.load()
+        self.manager = self._new_manager()
+        self._stopping.clear()
+        self._pump_thread = threading.Thread(target=self._pump, name="engine-pump", daemon=True)
+        self._pump_thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self.manager is not None:
+            self.manager.stop(block=True, timeout=5, hard_stop=True)
+        if self._pump_thread is not None:
+            self._pump_thread.join(timeout=5)
+        self._fail_all("the engine stopped")
+
+    def _new_manager(self):
+        if self.loop == "owned":
+            manager = OwnedManager(
+                self.model, num_blocks=self.config.num_blocks, page_size=self.config.page_size,
+                max_batch_tokens=self.config.max_batch_tokens, prefix_sharing=self.config.prefix_sharing,
+            )
+            manager.start()
+            return manager
+        return self._new_transformers_manager()
+
+    def _choose_loop(self, progress) -> str:
+        if self.config.loop != "owned":
+            return "transformers"
+        reason = unsupported_reason(self.model)
+        if reason:
+            progress(f"The owned engine loop cannot run this model ({reason}): using transformers' continuous batching")
+            return "transformers"
+        return "owned"
+
+    def _new_transformers_manager(self):
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        generation_config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=256,
+            eos_token_id=self.eos_ids_list(),
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        cb_config = ContinuousBatchingConfig(
+            page_size=self.config.page_size,
+            num_blocks=self.config.num_blocks,
+            max_batch_tokens=self.config.max_batch_tokens,
+            allow_block_sharing=self.config.prefix_sharing,
+        )
+        manager = self.model.init_continuous_batching(
+            generation_config=generation_config, continuous_batching_config=cb_config
+        )
+        manager.start()
+        return manager
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def eos_ids_list(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id}
+        generation_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if isinstance(generation_eos, int):
+            ids.add(generation_eos)
+        elif generation_eos:
+            ids.update(generation_eos)
+        return sorted(i for i in ids if i is not None)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Chat messages → prompt token ids, exactly as the model's chat template lays them out."""
+        return encode_chat(self.tokenizer, messages)
+
+    @property
+    def token_capacity(self) -> int:
+        return self.config.page_size * self.config.num_blocks
+
+    def submit(
+        self, request_id: str, input_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False,
+        listener: Callable[[StreamEvent], None] | None = None,
+    ) -> RequestHandle:
+        if not input_ids:
+            raise EngineError("the prompt is empty")
+        if max_new_tokens < 1:
+            raise EngineError("max_new_tokens must be at least 1")
+        needed = len(input_ids) + max_new_tokens
+        if needed > self.token_capacity:
+            raise EngineError(
+                f"the request needs {needed} tokens of KV cache but the whole cache holds {self.token_capacity}"
+            )
+        if self.manager is None or not self.manager.is_running():
+            raise EngineError("the engine is not running")
+        # A fresh engine id every time: Celery reuses a task id on retry, and a duplicate id would
+        # kill the manager's loop.
+        engine_id = f"{request_id}#{uuid.uuid4().hex[:8]}"
+        eos_ids = set(self.eos_ids_list())
+        handle = RequestHandle(self, request_id, engine_id, eos_ids, listener)
+        with self._lock:
+            self._handles[engine_id] = handle
+            self._by_request[request_id] = engine_id
+        try:
+            added = self.manager.add_request(
+                list(input_ids),
+                request_id=engine_id,
+                max_new_tokens=max_new_tokens,
+                streaming=True,
+                eos_token_id=-1 if ignore_eos else sorted(eos_ids),
+            )
+        except queue.Full:
+            self._forget(engine_id)
+            raise EngineError("the engine's queue is full; try again in a moment") from None
+        if added is None:
+            self._forget(engine_id)
+            raise EngineError("the engine refused the request (it is stopping or restarting)")
+        return handle
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request at the next decode step; its handle receives a 'cancelled' end."""
+        with self._lock:
+            engine_id = self._by_request.get(request_id)
+            handle = self._handles.get(engine_id) if engine_id else None
+        if handle is None:
+            return False
+        self.manager.cancel_request(engine_id)
+        self._forget(engine_id)
+        handle.outputs.put(CANCELLED)
+        return True
+
+    def _forget(self, engine_id: str) -> None:
+        with self._lock:
+            handle = self._handles.pop(engine_id, None)
+            if handle is not None and self._by_request.get(handle.request_id) == engine_id:
+                del self._by_request[handle.request_id]
+
+    # --- the pump: the only reader of the manager's output queue --------------------------------
+
+    def _pump(self) -> None:
+        while not self._stopping.is_set():
+            manager = self.manager
+            if not manager.is_running():
+                self._restart_after_crash()
+                continue
+            output = manager.get_result(timeout=0.1)
+            self._sample_batch()
+            if output is None:
+                continue
+            self._route(output)
+
+    def _route(self, output) -> None:
+        with self._lock:
+            handle = self._handles.get(output.request_id)
+        if handle is None:
+            return  # cancelled or already failed: nobody is listening
+        new = len(output.generated_tokens) - len(handle.tokens)
+        now = time.monotonic()
+        with self._lock:
+            self._tokens_generated += max(new, 0)
+            self._recent_tokens.append((now, max(new, 0)))
+        handle.last_output_at = now
+        if handle.listener is None:
+            handle.outputs.put(output)
+        else:
+            self._tell_listener(handle, output)
+        if output.is_finished():
+            self._requests_finished += 1
+            self._forget(output.request_id)
+
+    @staticmethod
+    def _tell_listener(handle: RequestHandle, output) -> None:
+        event = handle._to_event(output)
+        try:
+            if event.new_tokens or event.finished:
+                handle.listener(event)
+        except Exception:  # noqa: BLE001 - one request's listener must not stop the pump for all
+            log.exception("the listener of %s failed", handle.request_id)
+        if event.finished:
+            handle.outputs.put(event)
+
+    def _restart_after_crash(self) -> None:
+        if self._stopping.is_set():
+            return
+        log.error("The continuous-batching loop died; failing in-flight requests and restarting it")
+        self._fail_all("the engine restarted after an internal error")
+        self._restarts += 1
+        try:
+            self.manager.stop(block=True, timeout=2, hard_stop=True)
+        except Exception:  # noqa: BLE001 - the dead manager may fail in any way; we replace it
+            log.exception("stopping the dead manager failed")
+        self.manager = self._new_manager()
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            handles = list(self._handles.values())
+            self._handles.clear()
+            self._by_request.clear()
+        for handle in handles:
+            handle.outputs.put(FailedOutput(handle.engine_id, handle.tokens, reason))
+
+    # --- stats ----------------------------------------------------------------------------------
+
+    def _sample_batch(self) -> None:
+        running, _ = scheduler_counts(self.manager)
+        if running > self._peak_running:
+            self._peak_running = running
+
+    def stats(self) -> EngineStats:
+        running, waiting = scheduler_counts(self.manager)
+        used, total = kv_block_usage(self.manager, self.config.num_blocks)
+        return EngineStats(
+            model=self.config.model_dir.name,
+            device=self.config.device,
+            running=running,
+            waiting=waiting,
+            kv_blocks_used=used,
+            kv_blocks_total=total,
+            tokens_generated=self._tokens_generated,
+            tokens_per_s=round(self._tokens_per_s(), 2),
+            requests_finished=self._requests_finished,
+            peak_running=self._peak_running,
+            restarts=self._restarts,
+            quantization=self.config.quantization,
+            weights_bytes=self.weights_bytes,
+            loop=self.loop,
+        )
+
+    def _tokens_per_s(self, window_s: float = 10.0) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._recent_tokens and now - self._recent_tokens[0][0] > window_s:
+                self._recent_tokens.popleft()
+            total = sum(n for _, n in self._recent_tokens)
+        return total / window_s
+

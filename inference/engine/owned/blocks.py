@@ -1,0 +1,104 @@
+"""The paged KV cache's bookkeeping: which block holds which tokens, and who shares it.
+
+The cache itself (one K and one V tensor per layer, `num_blocks × page_size` slots) lives in the
+runner; this file only hands out block numbers. A request reserves every block it can ever need
+when it is admitted (prompt + max_new_tokens), so a running request never waits for memory and
+nothing is ever preempted: the cost is admitting fewer requests when outputs end early, which the
+guard's output cap keeps small.
+
+Prefix sharing: every full block whose KV is computed is registered under a hash chained over the
+blocks before it (the same block of tokens after a different prefix has different KV). A new
+request walks its prompt's full blocks through that table and reuses every block that matches,
+so a shared system prompt is computed once. A block whose last user left stays registered while it
+sits in the free list and is revived on a match; it is forgotten only when handed out anew (least
+recently freed first). The block holding a prompt's last token is never shared: that token's
+logits must be computed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, page_size: int, prefix_sharing: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.page_size = page_size
+        self.prefix_sharing = prefix_sharing
+        self.refs = [0] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict((block, None) for block in range(num_blocks))
+        self.block_of_hash: dict[int, int] = {}
+        self.key_of_block: dict[int, tuple[int, tuple[int, ...]]] = {}  # block → (hash, its tokens)
+        self.shared_tokens = 0  # prompt tokens that were not computed thanks to a shared block
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Give the request every block it can need, reusing shared prefix blocks; False if they don't fit."""
+        matched, chain = self._shared_prefix(seq.prompt)
+        fresh = self.blocks_for(seq.reserved_tokens) - len(matched)
+        revived = sum(1 for block in matched if self.refs[block] == 0)
+        if fresh > len(self.free) - revived:
+            return False
+        for block in matched:
+            if self.refs[block] == 0:
+                del self.free[block]
+            self.refs[block] += 1
+        seq.block_table = matched + [self._take_free_block() for _ in range(fresh)]
+        seq.computed = len(matched) * self.page_size
+        seq.hashed_blocks, seq.last_hash = len(matched), chain
+        self.shared_tokens += seq.computed
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        for block in seq.block_table:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free[block] = None
+        seq.block_table = []
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Make the request's newly completed prompt blocks findable by later requests."""
+        if not self.prefix_sharing:
+            return
+        full = min(seq.computed, len(seq.prompt)) // self.page_size
+        while seq.hashed_blocks < full:
+            index = seq.hashed_blocks
+            tokens = tuple(seq.prompt[index * self.page_size : (index + 1) * self.page_size])
+            chain = hash((seq.last_hash, tokens))
+            block = seq.block_table[index]
+            if chain not in self.block_of_hash:
+                self.block_of_hash[chain] = block
+                self.key_of_block[block] = (chain, tokens)
+            seq.hashed_blocks, seq.last_hash = index + 1, chain
+
+    def _shared_prefix(self, prompt: list[int]) -> tuple[list[int], int | None]:
+        matched: list[int] = []
+        chain = None
+        if not self.prefix_sharing:
+            return matched, chain
+        shareable = (len(prompt) - 1) // self.page_size  # never the block of the last prompt token
+        for index in range(shareable):
+            tokens = tuple(prompt[index * self.page_size : (index + 1) * self.page_size])
+            candidate = hash((chain, tokens))
+            block = self.block_of_hash.get(candidate)
+            if block is None or self.key_of_block.get(block) != (candidate, tokens):
+                break
+            matched.append(block)
+            chain = candidate
+        return matched, chain
+
+    def _take_free_block(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        key = self.key_of_block.pop(block, None)
+        if key is not None and self.block_of_hash.get(key[0]) == block:
+            del self.block_of_hash[key[0]]
+        self.refs[block] = 1
+        return block

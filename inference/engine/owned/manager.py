@@ -1,0 +1,167 @@
+"""The thread that runs the owned loop's steps, behind the interface the Engine already drives.
+
+`OwnedManager` answers the calls inference/engine/loop.py makes of transformers'
+ContinuousBatchingManager — add_request, cancel_request, get_result, is_running, start, stop — so
+the Engine's pump, its listeners, cancellation and restart-after-crash work unchanged whichever
+loop runs. Requests and cancellations reach the loop thread through queues; it is the only thread
+that touches the scheduler, the blocks and the model, so none of them needs a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from .blocks import BlockManager
+from .runner import ModelRunner
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one step did to one request, in the shape the Engine's pump reads."""
+
+    request_id: str
+    generated_tokens: list[int]  # the request's live list: the pump copies only what is new
+    finished: bool = False
+    error: str | None = None
+
+    def is_finished(self) -> bool:
+        return self.finished
+
+
+class OwnedManager:
+    def __init__(self, model, *, num_blocks: int, page_size: int, max_batch_tokens: int, prefix_sharing: bool) -> None:
+        self.model = model
+        self.num_blocks = num_blocks
+        self.page_size = page_size
+        self.max_batch_tokens = max_batch_tokens
+        self.prefix_sharing = prefix_sharing
+        self.blocks = BlockManager(num_blocks, page_size, prefix_sharing)
+        self.scheduler = Scheduler(self.blocks, max_batch_tokens)
+        self._incoming: queue.SimpleQueue = queue.SimpleQueue()
+        self._outputs: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._alive = False
+        self.steps = 0
+        self.step_seconds = 0.0
+
+    # --- the interface the Engine drives ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._alive = True
+        self._thread = threading.Thread(target=self._run, name="engine-owned-loop", daemon=True)
+        self._thread.start()
+        self._ready.wait(timeout=120)
+
+    def is_running(self) -> bool:
+        return self._alive and self._thread is not None and self._thread.is_alive()
+
+    def stop(self, block: bool = True, timeout: float | None = None, hard_stop: bool = True) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if block and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def add_request(self, input_ids: list[int], request_id: str, max_new_tokens: int, streaming: bool = True,
+                    eos_token_id=None) -> str | None:
+        if self._stopping.is_set() or not self.is_running():
+            return None
+        if eos_token_id is None or eos_token_id == -1:
+            eos_ids = frozenset()
+        else:
+            eos_ids = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        self._incoming.put(("add", Sequence(request_id, list(input_ids), max_new_tokens, eos_ids)))
+        self._wake.set()
+        return request_id
+
+    def cancel_request(self, request_id: str) -> None:
+        self._incoming.put(("cancel", request_id))
+        self._wake.set()
+
+    def get_result(self, timeout: float | None = None) -> StepOutput | None:
+        try:
+            return self._outputs.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def counts(self) -> tuple[int, int]:
+        return len(self.scheduler.running), len(self.scheduler.waiting) + self._incoming.qsize()
+
+    def block_usage(self) -> tuple[int, int]:
+        return self.blocks.used, self.num_blocks
+
+    # --- the loop thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.runner = ModelRunner(self.model, self.num_blocks, self.page_size)
+        except Exception:
+            log.exception("the owned engine loop could not build its KV cache")
+            self._alive = False
+            self._ready.set()
+            return
+        self._ready.set()
+        by_id: dict[str, Sequence] = {}
+        try:
+            while not self._stopping.is_set():
+                self._take_incoming(by_id)
+                if not self.scheduler:
+                    self._wake.wait(timeout=0.1)
+                    self._wake.clear()
+                    continue
+                self._step(by_id)
+        except Exception as exc:  # the Engine sees is_running() False, fails its requests and rebuilds us
+            log.exception("the owned engine loop failed")
+            for seq in by_id.values():
+                self._outputs.put(StepOutput(seq.request_id, seq.generated, finished=True, error=str(exc)))
+        finally:
+            self._alive = False
+
+    def _take_incoming(self, by_id: dict[str, Sequence]) -> None:
+        while True:
+            try:
+                kind, item = self._incoming.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                by_id[item.request_id] = item
+                self.scheduler.add(item)
+            else:
+                seq = by_id.pop(item, None)
+                if seq is not None:
+                    self.scheduler.finish(seq)  # the Engine already told the request's handle
+
+    def _step(self, by_id: dict[str, Sequence]) -> None:
+        plan = self.scheduler.schedule()
+        if not plan:
+            self._wake.wait(timeout=0.01)  # everything waits for blocks held by nobody running: none
+            return
+        started = time.perf_counter()
+        tokens = self.runner.step(plan)
+        self.step_seconds += time.perf_counter() - started
+        self.steps += 1
+        yielding = list(plan.decode)
+        for chunk in plan.prefill:
+            chunk.seq.computed = chunk.end
+            self.blocks.register_computed_blocks(chunk.seq)
+            if chunk.completes_prompt:
+                yielding.append(chunk.seq)
+        for seq in plan.decode:
+            seq.computed = len(seq)
+        for seq, token in zip(yielding, tokens, strict=True):
+            seq.append(token)
+            finished = seq.done
+            if finished:
+                self.scheduler.finish(seq)
+                by_id.pop(seq.request_id, None)
+            self._outputs.put(StepOutput(seq.request_id, seq.generated, finished=finished))

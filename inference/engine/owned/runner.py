@@ -1,0 +1,215 @@
+"""The model's forward pass for one step, over the paged KV cache.
+
+Written against a Llama-family transformers model (SmolLM2, Llama, Mistral without sliding
+windows, Qwen2): the runner keeps transformers' modules for the weights and calls each projection's
+own `forward` (so every variant of inference/engine/patches — skinny routes, int8, q4, bf16 — runs
+unchanged), and does everything between them itself:
+
+- one flat batch of T token rows per step: decode rows first (one per running request), then each
+  prompt chunk; every linear layer reads its weights once for all of them;
+- rotary embeddings from a table computed once with the model's own rotary module;
+- K and V written into a per-layer cache of `num_blocks × page_size` slots at the rows' slots, and
+  read back through each request's block table: decode rows as one padded batch for one
+  scaled_dot_product_attention call, each prompt chunk as its own causal call;
+- logits only for the rows that yield a token (decode rows and the last row of a finished prompt).
+
+The cache and the tables are made in the loop's own thread (see manager.py): a tensor filled in
+another thread would give that thread an OpenMP team of its own (inference/engine/loop.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .scheduler import StepPlan
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the owned loop cannot run this model, or None when it can."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {config.model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} is not silu"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention is not implemented"
+    return None
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q: object
+    k: object
+    v: object
+    o: object
+    gate: object
+    up: object
+    down: object
+
+
+def _forward_of(module):
+    """The module's forward without nn.Module.__call__'s hook machinery (~5 µs × 7 × layers a step)."""
+    return module.forward
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, page_size: int) -> None:
+        config = model.config
+        core = model.model
+        self.model = model
+        self.page_size = page_size
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.hidden = config.hidden_size
+        self.eps = config.rms_norm_eps
+        self.embed = core.embed_tokens.weight
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        self.final_norm = core.norm.weight
+        self.lm_head = _forward_of(model.lm_head)
+        self.layers = [
+            _Layer(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                _forward_of(layer.self_attn.q_proj), _forward_of(layer.self_attn.k_proj),
+                _forward_of(layer.self_attn.v_proj), _forward_of(layer.self_attn.o_proj),
+                _forward_of(layer.mlp.gate_proj), _forward_of(layer.mlp.up_proj), _forward_of(layer.mlp.down_proj),
+            )
+            for layer in core.layers
+        ]
+        slots = num_blocks * page_size
+        shape = (slots, self.kv_heads, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.cos, self.sin = self._rotary_table(core, min(slots, config.max_position_embeddings))
+        self.offsets = torch.arange(page_size, device=self.device)
+
+    def _rotary_table(self, core, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            cos, sin = core.rotary_emb(probe, torch.arange(positions, device=self.device).unsqueeze(0))
+        return cos[0].to(self.dtype), sin[0].to(self.dtype)  # [positions, head_dim]
+
+    # --- one step -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> list[int]:
+        """Compute the plan's rows; return the next token of each row that yields one, in plan order."""
+        batch = _StepBatch(self, plan)
+        hidden = F.embedding(batch.input_ids, self.embed)
+        for index, layer in enumerate(self.layers):
+            hidden = self._layer(index, layer, hidden, batch)
+        if not batch.logit_rows.numel():
+            return []  # only prompt chunks that end mid-prompt: no token this step
+        rows = hidden.index_select(0, batch.logit_rows) if batch.logit_rows.numel() != hidden.shape[0] else hidden
+        rows = F.rms_norm(rows, (self.hidden,), self.final_norm, self.eps)
+        logits = self.lm_head(rows)
+        return logits.argmax(dim=-1).tolist()
+
+    def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, batch: _StepBatch) -> torch.Tensor:
+        rows = hidden.shape[0]
+        x = F.rms_norm(hidden, (self.hidden,), layer.input_norm, self.eps)
+        q = layer.q(x).view(rows, self.heads, self.head_dim)
+        k = layer.k(x).view(rows, self.kv_heads, self.head_dim)
+        v = layer.v(x).view(rows, self.kv_heads, self.head_dim)
+        q, k = _rotate(q, batch.cos, batch.sin), _rotate(k, batch.cos, batch.sin)
+        k_cache, v_cache = self.k_cache[index], self.v_cache[index]
+        k_cache.index_copy_(0, batch.write_slots, k.to(self.dtype))
+        v_cache.index_copy_(0, batch.write_slots, v.to(self.dtype))
+        attended = self._attention(q, k_cache, v_cache, batch)
+        hidden = hidden + layer.o(attended)
+        x = F.rms_norm(hidden, (self.hidden,), layer.post_norm, self.eps)
+        return hidden + layer.down(F.silu(layer.gate(x)) * layer.up(x))
+
+    def _attention(self, q, k_cache, v_cache, batch: _StepBatch) -> torch.Tensor:
+        parts = []
+        if batch.decode_rows:
+            count = batch.decode_rows
+            keys = k_cache[batch.decode_slots].transpose(1, 2)  # [B, kv_heads, L, head_dim]
+            values = v_cache[batch.decode_slots].transpose(1, 2)
+            queries = q[:count].to(keys.dtype).unsqueeze(2)  # [B, heads, 1, head_dim]
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.decode_mask, enable_gqa=True)
+            parts.append(out.reshape(count, -1))
+        for start, end, slots, mask in batch.chunks:
+            keys = k_cache[slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, L, head_dim]
+            values = v_cache[slots].transpose(0, 1).unsqueeze(0)
+            queries = q[start:end].to(keys.dtype).transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+            )
+            parts.append(out[0].transpose(0, 1).reshape(end - start, -1))
+        attended = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return attended.to(q.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, transformers' layout (the two halves of each head rotate together)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class _StepBatch:
+    """The index tensors of one step, built once and read by every layer."""
+
+    def __init__(self, runner: ModelRunner, plan: StepPlan) -> None:
+        page = runner.page_size
+        device = runner.device
+        ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        write_slots: list[int] = []  # where each row's K and V go in the cache
+        for seq in plan.decode:
+            position = len(seq) - 1
+            logit_rows.append(len(ids))
+            ids.append(seq.token_at(position))
+            positions.append(position)
+            write_slots.append(seq.block_table[position // page] * page + position % page)
+        self.decode_rows = len(plan.decode)
+        self.chunks = []
+        for chunk in plan.prefill:
+            first_row = len(ids)
+            ids.extend(chunk.seq.prompt[chunk.start : chunk.end])
+            positions.extend(range(chunk.start, chunk.end))
+            table = chunk.seq.block_table
+            write_slots.extend(table[p // page] * page + p % page for p in range(chunk.start, chunk.end))
+            if chunk.completes_prompt:
+                logit_rows.append(len(ids) - 1)
+            slots = _slots(runner, chunk.seq.block_table, chunk.end)
+            mask = None
+            if chunk.start:  # earlier positions are cached: queries see all of them plus a causal part
+                query_positions = torch.arange(chunk.start, chunk.end, device=device).unsqueeze(1)
+                mask = torch.arange(chunk.end, device=device).unsqueeze(0) <= query_positions
+            self.chunks.append((first_row, len(ids), slots, mask))
+        self.input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        position_tensor = torch.tensor(positions, device=device)
+        self.cos = runner.cos[position_tensor].unsqueeze(1)  # [T, 1, head_dim]
+        self.sin = runner.sin[position_tensor].unsqueeze(1)
+        self.logit_rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
+        self.write_slots = torch.tensor(write_slots, device=device)
+        self.decode_slots = self.decode_mask = None
+        if self.decode_rows:
+            lengths = [len(seq) for seq in plan.decode]
+            longest = max(lengths)
+            self.decode_slots = torch.stack([_slots(runner, seq.block_table, longest) for seq in plan.decode])
+            if min(lengths) != longest:
+                self.decode_mask = (torch.arange(longest, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)).view(
+                    self.decode_rows, 1, 1, longest
+                )
+
+
+def _slots(runner: ModelRunner, block_table: list[int], length: int) -> torch.Tensor:
+    """Cache slots of positions 0…length-1 of a request (padding past its end reads its last block)."""
+    page = runner.page_size
+    needed = -(-length // page)
+    table = block_table[:needed]
+    table += [table[-1]] * (needed - len(table))  # a shorter request in a padded decode batch
+    blocks = torch.tensor(table, device=runner.device)
+    return (blocks.unsqueeze(1) * page + runner.offsets).view(-1)[:length]

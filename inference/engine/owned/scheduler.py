@@ -1,0 +1,83 @@
+"""Which tokens the next step computes.
+
+Every step first carries each running request one token further (decode rows), then spends what is
+left of the step's token budget on prompt chunks, oldest request first (chunked prefill): a long
+prompt never stalls the answers already streaming, and a burst of new prompts is absorbed a budget
+at a time. Requests are admitted in arrival order when their blocks fit (blocks.py reserves them).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .blocks import BlockManager
+from .sequence import FINISHED, RUNNING, Sequence
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int  # first prompt position computed by this step
+    end: int  # one past the last
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.end == len(self.seq.prompt)
+
+
+@dataclass
+class StepPlan:
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.decode) + sum(chunk.end - chunk.start for chunk in self.prefill)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def __bool__(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        self._admit()
+        plan = StepPlan(decode=[seq for seq in self.running if not seq.in_prefill][: self.max_batch_tokens])
+        budget = self.max_batch_tokens - len(plan.decode)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.in_prefill:
+                take = min(budget, len(seq.prompt) - seq.computed)
+                plan.prefill.append(PrefillChunk(seq, seq.computed, seq.computed + take))
+                budget -= take
+        return plan
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a request out (it ended, was cancelled or failed) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+        seq.status = FINISHED
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch_tokens:
+            if not self.blocks.allocate(self.waiting[0]):
+                return  # in order: a large request is not overtaken forever by small ones
+            seq = self.waiting.popleft()
+            seq.status = RUNNING
+            self.running.append(seq)

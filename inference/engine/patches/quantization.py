@@ -1,0 +1,265 @@
+"""Serving the model with other weights on CPU: int8 linear layers, the GGUF's own 4-bit weights, or bf16.
+
+What works with the pinned stack (torch 2.13.0 CPU, transformers 5.24), checked by hand and by
+tests/test_quantization.py:
+
+- `torch.ao.quantization.quantize_dynamic` still works on torch 2.13 (it warns that it is
+  deprecated in favour of torchao) and the quantized model runs inside transformers'
+  ContinuousBatchingManager unchanged: every nn.Linear (attention and MLP projections and the
+  lm_head) becomes a dynamically quantized Linear whose weights are int8, one scale per output
+  channel; activations are quantized on the fly per batch. The token embedding stays fp32 (it is
+  a lookup, not a matmul). We use it rather than torchao so that no extra dependency is pinned;
+  torchao 0.18 installs from PyPI for torch 2.13 without CUDA if a later change needs int4.
+- On a GPU the installed stack has no int8 path: quantize_dynamic's kernels (fbgemm/qnnpack) are
+  CPU only, and neither torchao nor bitsandbytes is installed. A GPU worker serves bf16 and
+  refuses "int8" at load with a sentence saying so.
+
+"q4" serves decode steps from the model's own 4-bit weights. The shipped model is a Q4_1 GGUF:
+every weight of the decoder layers' linears is d·q + m for a 4-bit q and one (d, m) pair per 32
+weights, so the fp32 weights we load lie on that grid, and `q4_pack` recovers q, d and m from them
+(it refuses weights off such a grid rather than round them). torch's CPU int4 kernel
+(`_weight_int4pack_mm_for_cpu`, groups of 32, w = (q − 8)·scale + zero) is fast only with bf16
+activations and bf16 scales and zeros (fp16 or fp32 ran 6-35× slower than bf16 here), so a q4
+step rounds each group's scale and zero and its input rows to bf16 — the numerics of serving in
+bf16, as GPUs do; the 4-bit codes themselves are the GGUF's. That is a change of numerics, which is
+why q4 is a variant that must pass the evaluation gate like int8, not a silent speed-up.
+A decode step of a few rows reads every weight once for a handful of tokens, so it is bound by
+memory, and the 4-bit copy is 8× smaller: on an AMD EPYC, one pass over all the block linears took
+15-26 ms for 1-4 rows against 41-63 ms in fp32 (docs/benchmarks.md). Steps with more rows (prefill
+chunks, big batches) keep the fp32 weights, which stay loaded beside the 4-bit copy (+66 MB); the
+row count up to which q4 pays is measured when the engine loads (`measure_q4_rows`). The lm_head
+(the tied embedding, Q8_0 in the GGUF, one scale per 32 weights) has no such kernel in torch and
+stays fp32.
+
+"bf16" stores every weight, and computes every step, in bfloat16 — what GPUs serve, and what CPUs
+with AMX or AVX512-BF16 run fast: on session 18's Intel Xeon a 512-row product ran at 1,487
+GFLOP/s in bf16 against 281 in fp32, so prefill chunks and large decode batches speed up most. It
+rounds each weight to 8 bits of mantissa (the GGUF's Q4_1 values are not all bf16 numbers), so it
+is a change of numerics like the others and passes the same evaluation gate. On a CPU without bf16
+instructions torch emulates it (not measured here); the gate's throughput criterion is what
+would keep it off there. On CUDA the
+full-precision model is bf16 already, so the variant changes nothing.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import torch
+from torch import nn
+
+from inference.engine.patches.linears import routed_linear_forward, time_routes
+
+NONE = "none"
+INT8 = "int8"
+Q4 = "q4"
+BF16 = "bf16"
+MODES = (NONE, INT8, Q4, BF16)
+CPU_ONLY = {INT8: "torch.ao dynamic quantization", Q4: "torch's CPU int4 kernel"}
+
+Q4_GROUP = 32  # weights per (scale, zero) pair: Q4_1's block
+Q4_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+Q4_MIN_GAIN = 0.05  # the 4-bit route must beat fp32 by this much for a bucket to take it
+
+
+class QuantizationError(RuntimeError):
+    """The requested quantization cannot run here; the message says why."""
+
+
+def check_mode(mode: str, device: str) -> None:
+    if mode not in MODES:
+        raise QuantizationError(f"unknown quantization {mode!r}; use one of {', '.join(MODES)}")
+    if mode in CPU_ONLY and not device.startswith("cpu"):
+        raise QuantizationError(
+            f"{mode} weights run on CPU only with the installed stack ({CPU_ONLY[mode]}); this engine runs on {device}"
+        )
+
+
+def quantize_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """The model with its weights stored as `mode` asks; "none" returns it unchanged."""
+    device = str(next(model.parameters()).device)
+    check_mode(mode, device)
+    if mode == NONE:
+        return model
+    if mode == Q4:
+        return pack_q4(model)
+    if mode == BF16:
+        return model.to(torch.bfloat16)  # the paged KV cache follows the model's dtype: half the bytes too
+    qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+    with warnings.catch_warnings():
+        # torch 2.13 says torch.ao.quantization is deprecated (for torchao); it still works, and the
+        # warning would be printed at every worker start.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*torch.ao.quantization is deprecated.*")
+        warnings.filterwarnings("ignore", message=".*are deprecated and will be removed.*")
+        quantized = torch.ao.quantization.quantize_dynamic(
+            model, {torch.nn.Linear: qconfig}, dtype=torch.qint8, inplace=False
+        )
+    return quantized.eval()
+
+
+def weights_memory_bytes(model: torch.nn.Module) -> int:
+    """Bytes held by the model's weights and buffers, each storage counted once (tied weights share one).
+
+    A dynamically quantized Linear keeps its int8 weight in packed params, which are not
+    parameters, so it is read through the module's weight() accessor.
+    """
+    seen: set[int] = set()
+    kept: list[torch.Tensor] = []  # weight() unpacks a fresh tensor: keep it alive so no address is reused
+    total = 0
+
+    def count(tensor: torch.Tensor | None) -> None:
+        nonlocal total
+        if tensor is None:
+            return
+        pointer = tensor.data_ptr()
+        if pointer in seen:
+            return
+        seen.add(pointer)
+        kept.append(tensor)
+        total += tensor.nelement() * tensor.element_size()
+        if tensor.is_quantized and tensor.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+            count(tensor.q_per_channel_scales())
+            count(tensor.q_per_channel_zero_points())
+
+    for module in model.modules():
+        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
+            count(module.weight())
+            count(module.bias())
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            count(tensor)
+    return total
+
+
+def bytes_read_per_decode_step(model: nn.Module, rows: int = 1) -> int:
+    """Weight bytes one decode step of `rows` rows reads: every linear once, by the route it takes.
+
+    A q4 layer at or under its q4_max_rows reads its 4-bit codes and bf16 scales, not its fp32
+    copy; an int8 layer its packed int8 weight; the token embedding only `rows` rows (a lookup).
+    This is the numerator of the memory-bandwidth roofline of a lone request.
+    """
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
+            total += module.weight().nelement()  # one byte each
+        elif isinstance(module, nn.Linear):
+            if getattr(module, "q4_weight", None) is not None and rows <= getattr(module, "q4_max_rows", 0):
+                total += module.q4_weight.nbytes + module.q4_scales_and_zeros.nbytes
+            else:
+                total += module.weight.nbytes
+        elif isinstance(module, nn.Embedding):
+            total += rows * module.weight[0].nbytes
+    return total
+
+
+def mode_of(model: torch.nn.Module) -> str:
+    """Which quantization a loaded model carries (read back from its layers, not from a setting)."""
+    if any(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in model.modules()):
+        return INT8
+    if any(hasattr(m, "q4_weight") for m in model.modules()):
+        return Q4
+    weight = next(model.parameters())
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+        return BF16  # on CUDA, bf16 is the full-precision default ("none")
+    return NONE
+
+
+# --- q4: the GGUF's 4-bit weights for decode steps ---------------------------------------------------
+
+
+def q4_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(name, layer) of the linears q4 packs: every plain Linear inside the decoder layers (not the lm_head)."""
+    return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and ".layers." in f".{name}"]
+
+
+def pack_q4(model: nn.Module) -> nn.Module:
+    """Give each decoder-layer linear a 4-bit copy of its weights and route few-row steps to it.
+
+    Refused unless every weight lies on a 4-bit grid of 32-weight groups (the Q4_1 GGUF's): packing
+    anything else would quantize the weights anew, and q4 promises the model's own 4-bit codes.
+    Until `measure_q4_rows` runs, no step takes the 4-bit route.
+    """
+    layers = q4_layers(model)
+    if not layers:
+        raise QuantizationError("q4 found no decoder-layer linears to pack in this model")
+    # Every layer is packed before any is changed: a refusal leaves the model as it was.
+    packs = [q4_pack(layer.weight.detach(), name) for name, layer in layers]
+    for (_, layer), (packed, scales_and_zeros) in zip(layers, packs, strict=True):
+        layer.register_buffer("q4_weight", packed, persistent=False)
+        layer.register_buffer("q4_scales_and_zeros", scales_and_zeros, persistent=False)
+        layer.q4_max_rows = 0
+        # skinny.use_skinny_linears leaves forward alone on a layer that consults skinny_routes itself.
+        layer.consults_skinny_routes = True
+        layer.forward = types.MethodType(q4_routed_forward, layer)
+    return model
+
+
+def q4_pack(weight: torch.Tensor, name: str = "a layer") -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed 4-bit codes, bf16 [groups, out, 2] scale and zero) of a weight on a 4-bit group grid."""
+    out_features, in_features = weight.shape
+    if in_features % Q4_GROUP:
+        raise QuantizationError(f"q4 needs {name}'s input size ({in_features}) to be a multiple of {Q4_GROUP}")
+    groups = weight.float().reshape(out_features, in_features // Q4_GROUP, Q4_GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = (high - low) / 15
+    safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((groups - low[..., None]) / safe_scale[..., None]).clamp(0, 15)
+    rebuilt = q * scale[..., None] + low[..., None]
+    off_grid = ((rebuilt - groups).abs() > 1e-6 * (high - low).clamp(min=1e-12)[..., None]).sum().item()
+    if off_grid:
+        raise QuantizationError(
+            f"q4 serves the model's own 4-bit weights, but {off_grid} of {name}'s weights are not on a 4-bit grid "
+            f"of {Q4_GROUP}-weight groups (a Q4_1 GGUF's); quantizing them would change the model"
+        )
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(out_features, in_features), 1)
+    # The kernel computes (q − 8)·scale + zero: zero is the group's value at q = 8.
+    scales_and_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).contiguous().to(torch.bfloat16)
+    return packed, scales_and_zeros
+
+
+def q4_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """x · Wᵀ from the 4-bit copy, with the activations in bf16 (the kernel's fast path)."""
+    rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1]).to(torch.bfloat16)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, layer.q4_weight, Q4_GROUP, layer.q4_scales_and_zeros)
+    out = out.to(x.dtype)
+    if layer.bias is not None:
+        out = out + layer.bias
+    return out.view(*x.shape[:-1], layer.out_features)
+
+
+def q4_routed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.numel() // x.shape[-1] <= self.q4_max_rows:
+        return q4_forward(self, x)
+    return routed_linear_forward(self, x)
+
+
+def measure_q4_rows(model: nn.Module, repeats: int = 3) -> tuple[int, list[tuple[int, float, float]]]:
+    """Time the 4-bit route against the layers' fp32 route per row bucket and route the winners.
+
+    Returns (the row count up to which steps now take q4, [(rows, fp32 ms, q4 ms)] per bucket). The
+    4-bit route is used from one row up to the last bucket of an unbroken run of wins: beyond it
+    the fp32 weights serve, as they do for every prefill. Run after skinny routes are set, so q4
+    competes with the route fp32 steps would really take.
+    """
+    layers = [m for m in model.modules() if hasattr(m, "q4_weight")]
+    routes = {"fp32": routed_linear_forward, "q4": q4_forward}
+    timings = []
+    with torch.inference_mode():
+        for rows in Q4_ROW_BUCKETS:
+            timed = time_routes(layers, rows, routes, repeats)
+            timings.append((rows, timed["fp32"], timed["q4"]))
+    max_rows = 0
+    for rows, fp32_ms, q4_ms in timings:
+        if q4_ms >= (1 - Q4_MIN_GAIN) * fp32_ms:
+            break
+        max_rows = rows
+    for layer in layers:
+        layer.q4_max_rows = max_rows
+    return max_rows, timings
+
+
+def describe_q4(max_rows: int, timings: list[tuple[int, float, float]]) -> str:
+    passes = "; ".join(f"{rows} rows {fp32:.1f} vs {q4:.1f} ms" for rows, fp32, q4 in timings)
+    return f"{passes} → 4-bit weights for steps of up to {max_rows} rows"

@@ -1,0 +1,119 @@
+"""One request's stream: the events a caller reads, the handle it holds, and the engine's stats."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from .config import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, EngineError
+
+if TYPE_CHECKING:
+    from .loop import Engine
+
+@dataclass
+class StreamEvent:
+    """What happened to one request since the last event: new tokens, and maybe its end."""
+
+    new_tokens: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    model: str
+    device: str
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    tokens_generated: int
+    tokens_per_s: float
+    requests_finished: int
+    peak_running: int
+    restarts: int
+    quantization: str = "none"
+    loop: str = "transformers"  # which decode loop runs: "owned" (inference/engine/owned/) or "transformers"
+    weights_bytes: int = 0  # memory of the loaded weights (int8 layers counted at one byte per weight)
+    updated_at: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+CANCELLED = object()  # marker pushed into a request's queue by cancel()
+
+
+class RequestHandle:
+    """One submitted request: iterate events() to read its stream.
+
+    Or, for a request submitted with a listener: the pump calls the listener with every event (in
+    the pump thread, one thread for all such requests, so an engine step wakes no thread per
+    request), and the submitter only waits for the end with wait_end().
+    """
+
+    def __init__(self, engine: Engine, request_id: str, engine_id: str, eos_ids: set[int],
+                 listener: Callable[[StreamEvent], None] | None = None) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.engine_id = engine_id
+        self.eos_ids = eos_ids
+        self.listener = listener
+        self.outputs: queue.Queue = queue.Queue()
+        self.tokens: list[int] = []
+        self.last_output_at = time.monotonic()  # when the engine last produced something for it
+
+    def events(self, timeout: float) -> Iterator[StreamEvent]:
+        """Yield events until the request ends; raises EngineError if nothing arrives within timeout."""
+        while True:
+            try:
+                item = self.outputs.get(timeout=timeout)
+            except queue.Empty:
+                self.engine.cancel(self.request_id)
+                raise EngineError(f"the engine produced nothing for {timeout:.0f} s") from None
+            event = self._to_event(item)
+            if event.new_tokens or event.finished:
+                yield event
+            if event.finished:
+                return
+
+    def wait_end(self, timeout: float) -> StreamEvent | None:
+        """A listened-to request's final event, or None if it has not ended within timeout."""
+        try:
+            return self._to_event(self.outputs.get(timeout=timeout))
+        except queue.Empty:
+            return None
+
+    def _to_event(self, item) -> StreamEvent:
+        if isinstance(item, StreamEvent):
+            return item  # the pump made it already (a listened-to request's end)
+        if item is CANCELLED:
+            return StreamEvent([], finished=True, finish_reason=FINISH_CANCELLED)
+        # Only the step's new tokens are copied: the pump calls this for every running request
+        # every step, and copying each whole answer so far made that quadratic in its length.
+        new = list(item.generated_tokens[len(self.tokens) :])
+        self.tokens.extend(new)
+        if not item.is_finished():
+            return StreamEvent(new)
+        if item.error:
+            return StreamEvent(new, finished=True, finish_reason=FINISH_ERROR, error=str(item.error))
+        reason = FINISH_STOP if self.tokens and self.tokens[-1] in self.eos_ids else FINISH_LENGTH
+        return StreamEvent(new, finished=True, finish_reason=reason)
+
+
+
+@dataclass
+class FailedOutput:
+    """Stands in for a GenerationOutput when the engine itself fails a request."""
+
+    request_id: str
+    generated_tokens: list[int]
+    error: str
+
+    def is_finished(self) -> bool:
+        return True
+

@@ -1,0 +1,272 @@
+"""The bench's `stack` mode: the workload through every real process a user's chat goes through.
+
+websocket clients → daphne → session + guard → Celery worker → engine → stream inbox → websocket.
+The bench starts its own daphne and worker (the command lines `make run` uses) on the configured
+database and Redis, as a user "bench" without caps on a feature "bench" without answer caches, so the
+guard does all its work but never refuses. The worker runs with CEILING_IGNORE_EOS so every answer
+has exactly the workload's length, as in the other modes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+from django.conf import settings
+
+from inference.engine.bench.measure import (
+    BenchError,
+    ModeResult,
+    RequestTiming,
+    percentile,
+    process_peak_rss_mb,
+    summarise,
+    timing_rows,
+)
+from inference.engine.bench.modes import batch_figures
+from inference.engine.bench.workload import MAX_OUTPUT_TOKENS, BenchRequest
+from project import stack
+
+BENCH_USER = "bench"
+BENCH_FEATURE = "bench"
+
+
+def run_stack(requests: list[BenchRequest], *, threads: int, engine_env: dict[str, str], log_dir: Path,
+              progress=print) -> ModeResult:
+    cookie = prepare_bench_user(engine_env.get("CEILING_QUANTIZATION", settings.CEILING_QUANTIZATION))
+    with bench_stack(len(requests), threads, engine_env, log_dir, progress) as (port, processes, worker):
+        url = f"ws://127.0.0.1:{port}/ws/chat/"
+        origin = f"http://127.0.0.1:{port}"
+        warm_up = RequestTiming(-1, time.perf_counter())
+        asyncio.run(_warm_up(url, origin, cookie, replace(requests[0], output_tokens=2), warm_up))
+        if warm_up.error:
+            raise BenchError(f"the stack's warm-up chat failed: {warm_up.error}")
+        sampler = WorkerSampler(worker)
+        sampler.start()
+        # The wall clock beside perf_counter: the ledger's timestamps are wall-clock times.
+        wall_minus_perf = time.time() - time.perf_counter()
+        timings, connect_ms = asyncio.run(replay_over_websockets(url, origin, cookie, requests))
+        sampler.stop()
+        # daphne + the worker: everything this mode needs beyond the clients.
+        peak_rss = sum(process_peak_rss_mb(p.pid) for p in processes)
+    extra = sampler.figures() | {
+        "connect_ms_p50": round(percentile(connect_ms, 50), 1), "connect_ms_p99": round(percentile(connect_ms, 99), 1),
+    } | ttft_parts(timings, wall_minus_perf)
+    return ModeResult(summarise(timings, peak_rss), extra=extra, timings=timing_rows(timings))
+
+
+def ttft_parts(timings: list[RequestTiming], wall_minus_perf: float) -> dict:
+    """Where the stack's TTFT goes, from each request's ledger row (p50 and max, ms).
+
+    - to_guard: chat frame sent → the guard starts (TokenLog.created_at): the socket, the feature
+      lookup and tokenizing in daphne;
+    - guard_to_first_token: the worker's own TTFT (TokenLog.ttft_ms): the guard, the dispatch, the
+      broker, the engine's queue and its prefill;
+    - to_client: what is left of the client's TTFT, the first frame's way back.
+    A burst's late start shows in guard_to_first_token: the engine gets the first chats while the
+    rest are still being admitted on the same cores (docs/benchmarks.md).
+    """
+    from budgets.models import TokenLog
+
+    rows = {r.request_id: r for r in TokenLog.objects.filter(request_id__in=[t.request_id for t in timings if t.request_id])}
+    to_guard, in_worker, to_client = [], [], []
+    for timing in timings:
+        row = rows.get(timing.request_id)
+        if row is None or row.ttft_ms is None or timing.first_token is None:
+            continue
+        before_guard = (row.created_at.timestamp() - (timing.arrival + wall_minus_perf)) * 1000
+        to_guard.append(before_guard)
+        in_worker.append(row.ttft_ms)
+        to_client.append(timing.ttft_ms - before_guard - row.ttft_ms)
+    parts = {}
+    for name, values in (("to_guard", to_guard), ("guard_to_first_token", in_worker), ("to_client", to_client)):
+        if values:
+            parts[f"ttft_{name}_p50_ms"] = round(percentile(values, 50), 1)
+            parts[f"ttft_{name}_max_ms"] = round(max(values), 1)
+    return parts
+
+
+def prepare_bench_user(quantization: str) -> str:
+    """The bench user (no caps) and feature (no caches); returns a session cookie for the user.
+
+    The feature is served by the weight variant under test: a worker answers each feature with the
+    feature's own variant, so a bench feature left at "none" would load and run the fp32 engine
+    beside the variant the worker started with. (The bench's feature skips the evaluation gate; it
+    is the bench's own, not one users call.)
+    """
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    from budgets.models import Feature, Period, Quota
+
+    user, created = get_user_model().objects.get_or_create(username=BENCH_USER)
+    if created:
+        user.set_unusable_password()
+        user.save()
+    for period in (Period.DAY, Period.MONTH):
+        # A user's own quota row replaces the defaults; one with no limits set means no user caps.
+        Quota.objects.update_or_create(
+            user=user, feature=None, period=period,
+            defaults={"max_requests": None, "max_tokens": None, "max_cost_micro_usd": None},
+        )
+    Feature.objects.update_or_create(
+        name=BENCH_FEATURE,
+        defaults={
+            "description": "manage.py bench (fixed-length answers)",
+            "enabled": True,
+            "mode": Feature.Mode.CHAT,
+            "max_input_tokens": 4096,
+            "max_output_tokens": MAX_OUTPUT_TOKENS,
+            "cache_ttl_s": 0,
+            "quantization": quantization,
+        },
+    )
+    client = Client()
+    client.force_login(user)
+    return client.cookies[settings.SESSION_COOKIE_NAME].value
+
+
+@contextmanager
+def bench_stack(concurrency: int, threads: int, engine_env: dict[str, str], log_dir: Path, progress):
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = stack.free_port()
+    # A queue of its own: another worker on the same Redis must not take (or slow) the bench's chats.
+    queue = f"bench-{os.getpid()}"
+    env = stack.child_env(
+        CEILING_INFERENCE_QUEUE=queue,
+        DATABASE_URL=stack.database_url(settings.DATABASES["default"]),
+        REDIS_URL=settings.REDIS_URL,
+        CEILING_IGNORE_EOS="1",
+        CEILING_TORCH_THREADS=str(threads),
+        **engine_env,
+    )
+    env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+    workers_before = _live_workers()
+    found: set[str] = set()
+    # Every chat holds one worker thread while it streams: enough threads for the whole workload.
+    processes = [
+        subprocess.Popen(stack.worker_argv(max(16, concurrency), "bench@%h", queues=queue), env=env,
+                         stdout=(log_dir / "bench-worker.log").open("w"), stderr=subprocess.STDOUT),
+        subprocess.Popen(stack.daphne_argv("127.0.0.1", port), env=env,
+                         stdout=(log_dir / "bench-daphne.log").open("w"), stderr=subprocess.STDOUT),
+    ]
+    try:
+        progress(f"stack: daphne on 127.0.0.1:{port}, worker starting (logs in {log_dir})…")
+        stack.wait_until(lambda: stack.port_answers("127.0.0.1", port), timeout=60, what="daphne")
+        stack.wait_until(lambda: found.update(_live_workers() - workers_before) or found, timeout=180,
+                         what="the bench worker's engine")
+        yield port, processes, sorted(found)[0]
+    finally:
+        stack.stop_all(processes)
+
+
+def _live_workers() -> set[str]:
+    from inference.bus.stats import read_engine_stats
+
+    return {stats["worker"] for stats in read_engine_stats() if stats.get("running") is not None}
+
+
+class WorkerSampler(threading.Thread):
+    """Reads the bench worker's published engine stats (every 0.5 s) while the workload runs."""
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(daemon=True)
+        self.worker = worker
+        self.running: list[int] = []
+        self.kv_blocks: list[int] = []
+        self.kv_blocks_total = 0
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        from inference.bus.stats import read_engine_stats
+
+        while not self._stopped.wait(0.25):
+            for stats in read_engine_stats():
+                if stats["worker"] == self.worker and stats.get("running"):
+                    self.running.append(stats["running"])
+                    self.kv_blocks.append(stats["kv_blocks_used"])
+                    self.kv_blocks_total = stats["kv_blocks_total"]
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.join()
+
+    def figures(self) -> dict:
+        return batch_figures(self.running, self.kv_blocks, self.kv_blocks_total)
+
+
+async def replay_over_websockets(url: str, origin: str, cookie: str,
+                                 requests: list[BenchRequest]) -> tuple[list[RequestTiming], list[float]]:
+    """(timings, each socket's opening handshake in ms).
+
+    Every client opens its socket before the clock starts, as the chat page does when it loads, and
+    a request's clock starts when its chat frame is sent (vLLM's TTFT: from the request to its first
+    token). The handshakes (TCP, HTTP upgrade, session and user lookup) are reported on their own.
+    """
+    async def open_socket():
+        began = time.perf_counter()
+        ws = await _connect(url, origin, cookie)
+        return ws, (time.perf_counter() - began) * 1000
+
+    opened = await asyncio.gather(*(open_socket() for _ in requests), return_exceptions=True)
+    sockets = [item[0] for item in opened if not isinstance(item, BaseException)]
+    try:
+        failed = [item for item in opened if isinstance(item, BaseException)]
+        if failed:
+            raise BenchError(f"{len(failed)} of {len(requests)} chat sockets did not open: {failed[0]!r}")
+        start = time.perf_counter()
+        timings = [RequestTiming(r.index, arrival=start + r.arrival_s) for r in requests]
+
+        async def at_arrival(ws, request: BenchRequest, timing: RequestTiming) -> None:
+            await asyncio.sleep(max(0.0, timing.arrival - time.perf_counter()))
+            await _one_chat(ws, request, timing)
+
+        await asyncio.gather(*(at_arrival(ws, r, t) for ws, r, t in zip(sockets, requests, timings, strict=True)))
+    finally:
+        await asyncio.gather(*(ws.close() for ws in sockets), return_exceptions=True)
+    return timings, [item[1] for item in opened]
+
+
+def _connect(url: str, origin: str, cookie: str):
+    """A chat socket as the bench user's browser opens one (await it, or use it with `async with`)."""
+    from websockets.asyncio.client import connect
+
+    return connect(url, origin=origin, additional_headers={"Cookie": f"sessionid={cookie}"},
+                   open_timeout=30, max_size=4 * 1024 * 1024)
+
+
+async def _warm_up(url: str, origin: str, cookie: str, request: BenchRequest, timing: RequestTiming) -> None:
+    try:
+        async with _connect(url, origin, cookie) as ws:
+            await _one_chat(ws, request, timing)
+    except (OSError, TimeoutError) as exc:
+        timing.error = f"{type(exc).__name__}: {exc}"
+
+
+async def _one_chat(ws, request: BenchRequest, timing: RequestTiming) -> None:
+    frame = {"type": "chat", "feature": BENCH_FEATURE, "messages": request.messages, "max_tokens": request.output_tokens}
+    try:
+        await ws.send(json.dumps(frame))
+        while True:
+            message = json.loads(await asyncio.wait_for(ws.recv(), timeout=600))
+            now = time.perf_counter()
+            if message["type"] == "accepted":
+                timing.request_id = message["request_id"]
+            elif message["type"] == "token" and timing.first_token is None:
+                timing.first_token = now
+            elif message["type"] == "done":
+                timing.finished = now
+                timing.output_tokens = message["usage"]["completion_tokens"]
+                return
+            elif message["type"] in ("error", "refused"):
+                timing.error = f"{message['type']} {message.get('code')}: {message.get('message')}"
+                return
+    except (OSError, TimeoutError) as exc:
+        timing.error = f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,429 @@
+"""One chat request from a validated frame to its last event, shared by the websocket and the HTTP API.
+
+    async with aclosing(run_chat(user, frame)) as events:
+        async for event in events:      # wire-protocol events (docs/protocol.md)
+            ...
+
+The events are exactly the server → client frames of /ws/chat/: `accepted`, `notice`, `token`…,
+then one terminal event (`done`, `refused` or `error`). Refusals are logged before they are
+yielded. Whoever stops iterating early (a closed socket, a dropped HTTP stream, a cancelled task)
+cancels the generation: the generator's `finally` tells the worker to stop, and the request is
+settled at the tokens actually generated.
+
+Frames come back from the worker through this process's stream inbox (inference/bus/): the
+dispatch names it, and the request opens its own queue there before it is dispatched, so it needs
+no consumer around it.
+
+The feature's mode (inference/web/modes.py) shapes the events: an `extract` feature asks the model for
+JSON and yields no tokens, only a `done` with the parsed `result` (or an `invalid_json` error); a
+`batch` feature refuses interactive chat with a `batch_only` error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import replace
+from functools import partial
+
+from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import DatabaseError
+
+from budgets.actions import do_log_cache_hit, do_log_refusal
+from budgets.guard import Decision, LoopLimits
+from budgets.models import Feature, TokenLog, unique_row
+from inference.actions import do_admit_request, do_finish_request, settle_reservation
+from inference.bus.cancel import arequest_cancel
+from inference.bus.inbox import stream_inbox
+from inference.bus.ownership import lost_request_progress, release_claim
+from inference.models import Transcript
+from inference.web import caches, modes
+from inference.web.frames import ChatFrame
+from inference.web.tokenizer import chat_prompt_ids, input_too_long_by_count, input_too_long_by_size, model_name
+
+log = logging.getLogger(__name__)
+
+TERMINAL = frozenset({"done", "refused", "error"})
+INTERNAL_ERROR = {"type": "error", "code": "internal", "message": "Something went wrong on our side; please try again."}
+DATABASE_UNAVAILABLE = {
+    "type": "error", "code": "database_unavailable",
+    "message": "The service cannot reach its database right now, so this request was not taken. Please try again in a minute.",
+}
+
+# Admissions whose caller went away while the guard was deciding; kept referenced until they finish.
+_abandoned: set[asyncio.Task] = set()
+
+
+async def run_chat(user: AbstractBaseUser, frame: ChatFrame) -> AsyncIterator[dict]:
+    """Admit one chat request and yield its events; an unexpected failure ends with an `internal` error."""
+    request_id = uuid.uuid4().hex
+    try:
+        async with aclosing(_admit_and_stream(request_id, user, frame)) as events:
+            async for event in events:
+                yield event
+    except DatabaseError as exc:
+        # Before admission nothing was written; a row admitted just before the outage is settled
+        # by the worker (it retries its ledger write) or, failing that, by reconciliation.
+        log.warning("chat request %s: database unavailable: %s", request_id, exc)
+        yield dict(DATABASE_UNAVAILABLE)
+    except Exception:
+        log.exception("chat request %s failed", request_id)
+        yield dict(INTERNAL_ERROR)
+
+
+async def _admit_and_stream(request_id: str, user: AbstractBaseUser, frame: ChatFrame) -> AsyncIterator[dict]:
+    feature = await get_feature(frame.feature)
+    if feature is None:
+        yield {"type": "error", "code": "unknown_feature", "message": f"There is no feature named {frame.feature!r}."}
+        return
+    if feature.mode == Feature.Mode.BATCH:
+        yield {"type": "error", "code": "batch_only", "message": modes.batch_only_message(feature.name)}
+        return
+    if feature.mode == Feature.Mode.EXTRACT:
+        frame = replace(frame, messages=modes.extract_messages(frame.messages))
+        events = _answer_once(_answer(request_id, user, feature, frame))
+    else:
+        events = _answer(request_id, user, feature, frame)
+    async with aclosing(events):
+        async for event in events:
+            yield event
+
+
+async def _answer_once(events: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """An extract feature's events: tokens collected, not sent; `done` carries the parsed JSON object."""
+    parts: list[str] = []
+    async with aclosing(events):
+        async for event in events:
+            if event["type"] == "token":
+                parts.append(event["text"])
+                continue
+            if event["type"] == "done":
+                try:
+                    event = {**event, "result": modes.extract_json("".join(parts))}
+                except modes.InvalidJSON as exc:
+                    # The request itself succeeded and stays in the ledger with the tokens it used.
+                    used = event["usage"]["completion_tokens"]
+                    event = {"type": "error", "code": "invalid_json", "message": f"{exc} The {used} tokens it used are still counted."}
+            yield event
+
+
+async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, frame: ChatFrame) -> AsyncIterator[dict]:
+    prompt_ids, refusal = await _check_before_guard(request_id, user, feature, frame)
+    if refusal is not None:
+        yield refusal
+        return
+    max_tokens = min(frame.max_tokens, feature.max_output_tokens)
+    key = caches.cache_key(feature, user, model_name(feature), max_tokens, frame.messages) if feature.cache_ttl_s else None
+    if key is not None:
+        hit = await sync_to_async(caches.lookup, thread_sensitive=False)(feature, key)
+        if hit is not None:
+            for event in await serve_cached(request_id, user, feature, len(prompt_ids), max_tokens, hit):
+                yield event
+            return
+    inbox = stream_inbox()
+    # Open the request's queue before the worker can send the first frame.
+    frames = inbox.open(request_id)
+    ended = False  # nothing left to stop: the worker finished it, or the guard refused it
+    try:
+        loop = LoopLimits(frame.loop_id, settings.CEILING_LOOP_MAX_CALLS, settings.CEILING_LOOP_MAX_COST_MICRO_USD) if frame.loop_id else None
+        decision = await _admit_shielded(request_id, user, feature, frame.messages, prompt_ids, max_tokens, loop)
+        if not decision.admitted:
+            ended = True
+            yield {"type": "refused", "code": decision.code, "message": decision.message, "retry_after_s": decision.retry_after_s}
+            return
+        # Dispatch before announcing it: from here on, stopping early only needs a cancel.
+        await dispatch_generation(request_id, inbox.key)
+        yield {"type": "accepted", "request_id": request_id, "prompt_tokens": len(prompt_ids), "max_tokens": decision.max_tokens}
+        if decision.warning:
+            yield {"type": "notice", "code": "nearing_cap", "message": decision.warning}
+        async for event in _relay(frames, request_id, len(prompt_ids)):
+            ended = event["type"] in TERMINAL
+            if key is not None and event["type"] == "done" and event.get("finish_reason") == "stop":
+                # Stored before `done` is yielded: a caller may stop iterating right after it.
+                await sync_to_async(remember_answer, thread_sensitive=False)(feature, key, request_id)
+            yield event
+    finally:
+        try:
+            if not ended:
+                # Cancelled, closed early or failed half-way: the engine must not keep generating.
+                await arequest_cancel(request_id)
+        finally:
+            inbox.close(request_id)
+
+
+async def _check_before_guard(
+    request_id: str, user: AbstractBaseUser, feature: Feature, frame: ChatFrame
+) -> tuple[list[int], dict | None]:
+    """(the prompt's token ids, None), or the refusal decided here rather than by the guard (logged)."""
+    if not feature.enabled:
+        message = f"The feature {feature.name!r} is switched off by the operators."
+        await log_refusal(request_id, user, feature, "feature_disabled", message, 0, frame.max_tokens)
+        return [], {"type": "refused", "code": "feature_disabled", "message": message, "retry_after_s": None}
+    limit = min(feature.max_input_tokens, settings.CEILING_MAX_INPUT_TOKENS)
+    prompt_ids: list[int] = []
+    refusal = input_too_long_by_size(frame.messages, limit)
+    if refusal is None:
+        prompt_ids = await sync_to_async(chat_prompt_ids, thread_sensitive=False)(frame.messages)
+        refusal = input_too_long_by_count(len(prompt_ids), limit)
+    if refusal is not None:
+        await log_refusal(request_id, user, feature, "max_input_tokens", refusal, len(prompt_ids), frame.max_tokens)
+        return prompt_ids, {"type": "refused", "code": "max_input_tokens", "message": refusal, "retry_after_s": None}
+    return prompt_ids, None
+
+
+async def _admit_shielded(request_id, user, feature, messages, prompt_ids, max_tokens, loop) -> Decision:
+    """Ask the guard; if our caller goes away meanwhile, an admitted request is closed as cancelled.
+
+    The guard runs in a thread that cancelling cannot stop, so without this a request admitted just
+    after its client left would hold its reservation until reconciliation fails it.
+    """
+    admission = asyncio.ensure_future(admit_request(request_id, user, feature, messages, prompt_ids, max_tokens, loop))
+    try:
+        return await asyncio.shield(admission)
+    except asyncio.CancelledError:
+        task = asyncio.ensure_future(_close_if_admitted(admission, len(prompt_ids)))
+        _abandoned.add(task)
+        task.add_done_callback(_abandoned.discard)
+        raise
+
+
+async def _close_if_admitted(admission: asyncio.Future, prompt_tokens: int) -> None:
+    try:
+        decision = await admission
+    except Exception:
+        log.exception("an abandoned admission failed")
+        return
+    if decision.admitted:
+        # Not thread-sensitive: the HTTP request this came from may be over, and its thread with it.
+        await sync_to_async(finish_undispatched, thread_sensitive=False)(
+            decision.request_id, TokenLog.Status.CANCELLED, prompt_tokens, "cancelled", ""
+        )
+
+
+async def _relay(inbox: asyncio.Queue, request_id: str, prompt_tokens: int) -> AsyncIterator[dict]:
+    """The worker's frames as events until done/failed, within the first-token and total timeouts.
+
+    The stream is at-most-once (a message can be dropped under load), the ledger is not: when
+    nothing has arrived for LEDGER_CHECK_S, the TokenLog row is read, and a request the worker has
+    already settled ends from the ledger, its missing text taken from the stored transcript. A
+    request whose worker died (its heartbeat expired) is settled here as failed, with the tokens
+    that worker recorded as streamed.
+    On a timeout the request is settled here as failed (its reservation released): a worker that is
+    down or stalled may never settle it, and one that wakes up later finds it settled and skips it.
+    """
+    started = time.monotonic()
+    first_token_seen = False
+    streamed: list[str] = []
+    while True:
+        limit = settings.CEILING_TOTAL_TIMEOUT_S if first_token_seen else settings.CEILING_FIRST_TOKEN_TIMEOUT_S
+        left = limit - (time.monotonic() - started)
+        if left <= 0:
+            async for event in _time_out(request_id, prompt_tokens, first_token_seen):
+                yield event
+            return
+        try:
+            message = await asyncio.wait_for(inbox.get(), timeout=min(left, LEDGER_CHECK_S))
+        except TimeoutError:
+            try:
+                recovered = await recover_from_ledger(request_id, "".join(streamed), len(streamed))
+            except DatabaseError:
+                continue  # the database is away for a moment: keep waiting, the timeouts still hold
+            if not recovered:
+                recovered = await fail_if_worker_lost(request_id, prompt_tokens, "".join(streamed))
+            if recovered:
+                for event in recovered:
+                    yield event
+                return
+            continue
+        if message.get("request_id") != request_id:
+            continue
+        event = dict(message)
+        kind = event.pop("type")
+        if kind == "chat.token":
+            first_token_seen = True
+            streamed.append(event.get("text", ""))
+            yield {"type": "token", **event}
+        elif kind == "chat.done":
+            yield {"type": "done", **event, "cache": "miss"}
+            return
+        elif kind == "chat.failed":
+            yield {"type": "error", **event}
+            return
+
+
+LEDGER_CHECK_S = 5.0
+
+
+async def _time_out(request_id: str, prompt_tokens: int, first_token_seen: bool) -> AsyncIterator[dict]:
+    await arequest_cancel(request_id)
+    event = _timeout_event(first_token_seen)
+    await sync_to_async(finish_undispatched, thread_sensitive=False)(
+        request_id, TokenLog.Status.FAILED, prompt_tokens, "", event["message"]
+    )
+    yield event
+
+
+@database_sync_to_async
+def recover_from_ledger(request_id: str, streamed_text: str, next_seq: int) -> list[dict]:
+    """The end of a request the worker settled but whose last frames were lost; [] while it runs.
+
+    Most checks find the request still running (64 chats arriving together wait over 5 s for their
+    first token here), so the transcript, with its prompt's messages and token ids as JSON, is read
+    only once the request has ended, and then only its answer's text.
+    """
+    row = TokenLog.objects.filter(request_id=request_id).first()
+    if row is None or row.status == TokenLog.Status.RUNNING:
+        return []
+    if row.status == TokenLog.Status.FAILED:
+        return [{"type": "error", "request_id": request_id, "code": "engine_failed",
+                 "message": f"The model could not finish this answer: {row.error or 'unknown error'}."}]
+    events = []
+    text = Transcript.objects.filter(log=row).values_list("response_text", flat=True).first() or ""
+    if text.startswith(streamed_text) and len(text) > len(streamed_text):
+        events.append({"type": "token", "request_id": request_id, "text": text[len(streamed_text):], "seq": next_seq})
+    events.append({
+        "type": "done", "request_id": request_id, "usage": row.usage(), "cost_usd": row.cost_usd,
+        "ttft_ms": row.ttft_ms, "total_ms": row.total_ms, "finish_reason": row.finish_reason, "cache": "miss",
+    })
+    return events
+
+
+@sync_to_async(thread_sensitive=False)
+def fail_if_worker_lost(request_id: str, prompt_tokens: int, streamed_text: str) -> list[dict]:
+    """[] while the request's worker is alive (or unknown); else settle it failed and say so.
+
+    The ledger records the tokens the dead worker reported as streamed (inference/bus/,
+    ChannelSender.send_frame), not what this process happened to receive, and the reservation is
+    released at once instead of after CEILING_RESERVATION_TTL_S. A settle that loses the race to
+    the worker changes nothing.
+    """
+    from django.db import close_old_connections
+
+    tokens = lost_request_progress(request_id)
+    if tokens is None:
+        return []
+    close_old_connections()
+    error = f"the worker running it stopped after {tokens} tokens"
+    settled = do_finish_request(
+        request_id, status=TokenLog.Status.FAILED, prompt_tokens=prompt_tokens, completion_ids=[],
+        completion_tokens=tokens, text=streamed_text, finish_reason="", ttft_ms=None, error=error,
+    )
+    release_claim(request_id)
+    if settled is None:
+        return []  # settled meanwhile: the next ledger check ends it
+    settle_reservation(request_id)
+    message = (f"The worker generating this answer stopped unexpectedly after {tokens} tokens "
+               "(those are counted; the rest is not). Please try again.")
+    return [{"type": "error", "request_id": request_id, "code": "worker_lost", "message": message}]
+
+
+def _timeout_event(first_token_seen: bool) -> dict:
+    what = "The answer did not finish" if first_token_seen else "The model did not start answering"
+    limit = settings.CEILING_TOTAL_TIMEOUT_S if first_token_seen else settings.CEILING_FIRST_TOKEN_TIMEOUT_S
+    return {"type": "error", "code": "timeout", "message": f"{what} within {limit:.0f} s; please try again."}
+
+
+# --- database and broker helpers -------------------------------------------------------------------
+
+
+# Off the one thread-sensitive thread, as admit_request below: 64 chats arriving together queued
+# there for this lookup alone, ~470 ms for the median chat before its admission could start.
+@partial(database_sync_to_async, thread_sensitive=False)
+def get_feature(name: str) -> Feature | None:
+    return unique_row(Feature.objects.select_related("provider").filter(name=name))
+
+
+# Admissions run side by side in the event loop's thread pool (not the one thread-sensitive thread):
+# the guard is built for concurrent admissions (tests/test_guard*.py), and 64 chats arriving together
+# otherwise queue one behind another for their ~12 ledger queries each.
+@partial(database_sync_to_async, thread_sensitive=False)
+def admit_request(request_id, user, feature, messages, prompt_ids, max_tokens, loop) -> Decision:
+    return do_admit_request(
+        request_id=request_id,
+        user=user,
+        feature=feature,
+        model=model_name(feature),
+        messages=messages,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        loop=loop,
+    )
+
+
+@database_sync_to_async
+def log_refusal(request_id, user, feature, code, message, prompt_tokens, max_tokens) -> None:
+    do_log_refusal(
+        request_id=request_id,
+        user=user,
+        feature=feature,
+        model=model_name(feature),
+        code=code,
+        message=message,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+    )
+
+
+@database_sync_to_async
+def serve_cached(request_id, user, feature, prompt_tokens: int, max_tokens: int, hit: caches.CachedAnswer) -> list[dict]:
+    """A cache hit: logged at cost 0 with what it saved, then the protocol's frames for it."""
+    row = do_log_cache_hit(
+        request_id=request_id, user=user, feature=feature, model=model_name(feature), prompt_tokens=prompt_tokens,
+        completion_tokens=hit.completion_tokens, max_tokens=max_tokens, kind=hit.kind, saved_micro_usd=hit.cost_micro_usd,
+    )
+    return [
+        {"type": "accepted", "request_id": request_id, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens},
+        {"type": "token", "request_id": request_id, "text": hit.text, "seq": 0},
+        {
+            "type": "done", "request_id": request_id, "usage": row.usage(), "cost_usd": row.cost_usd,
+            "ttft_ms": row.ttft_ms, "total_ms": row.total_ms, "finish_reason": "stop", "cache": hit.kind,
+        },
+    ]
+
+
+def remember_answer(feature, key: caches.CacheKey, request_id: str) -> None:
+    from django.db import close_old_connections
+
+    close_old_connections()
+    row = TokenLog.objects.select_related("transcript").filter(request_id=request_id).first()
+    if row is None or row.status != TokenLog.Status.OK:
+        return
+    caches.store(
+        feature, key, text=row.transcript.response_text, completion_tokens=row.completion_tokens,
+        cost_micro_usd=row.cost_micro_usd, request_id=request_id,
+    )
+
+
+@sync_to_async(thread_sensitive=False)
+def dispatch_generation(request_id: str, reply_to: str) -> None:
+    from inference.tasks import generate
+
+    try:
+        generate.apply_async(args=[request_id, reply_to], queue=settings.CEILING_INFERENCE_QUEUE, retry=False)
+    except Exception as exc:
+        # Never leave an admitted request holding its reservation because the broker was away.
+        fail_undispatched(request_id, str(exc))
+        raise
+
+
+def fail_undispatched(request_id: str, error: str) -> None:
+    finish_undispatched(request_id, TokenLog.Status.FAILED, 0, "", f"could not reach the workers: {error}")
+
+
+def finish_undispatched(request_id: str, status: str, prompt_tokens: int, finish_reason: str, error: str) -> None:
+    """Settle an admitted request that never reached a worker, and release its reservation."""
+    from django.db import close_old_connections
+
+    close_old_connections()
+    do_finish_request(
+        request_id, status=status, prompt_tokens=prompt_tokens, completion_ids=[], text="",
+        finish_reason=finish_reason, ttft_ms=None, error=error,
+    )
+    settle_reservation(request_id)

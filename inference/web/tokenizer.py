@@ -1,0 +1,85 @@
+"""The model's tokenizer in the web process: prompt tokens are counted exactly before admission."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from functools import lru_cache
+
+from inference.engine import encode_chat
+from inference.engines import model_dir
+
+log = logging.getLogger(__name__)
+
+_tokenizer = None
+_tokenizer_lock = threading.Lock()
+
+
+def get_tokenizer():
+    """Loaded once per process; concurrent first callers wait for the one load."""
+    global _tokenizer
+    if _tokenizer is None:
+        with _tokenizer_lock:
+            if _tokenizer is None:
+                from transformers import AutoTokenizer
+
+                _tokenizer = AutoTokenizer.from_pretrained(str(model_dir()))
+    return _tokenizer
+
+
+def load_tokenizer_in_background() -> None:
+    """Start loading the tokenizer now, so the web process's first chat does not pay for it.
+
+    Importing transformers and reading the tokenizer costs a web process about 1.5 s of CPU; done
+    by the first request, every chat that arrives meanwhile waits behind it.
+    """
+
+    def load() -> None:
+        try:
+            get_tokenizer()
+        except Exception:  # noqa: BLE001 - the first request loads it again and reports the error
+            log.exception("loading the tokenizer at start failed")
+
+    threading.Thread(target=load, name="tokenizer-load", daemon=True).start()
+
+
+def chat_prompt_ids(messages: list[dict]) -> list[int]:
+    return encode_chat(get_tokenizer(), messages)
+
+
+def model_name(feature=None) -> str:
+    """The model a request goes to, as logged and priced: a remote provider's model, else ours.
+
+    The feature's provider must already be loaded (select_related) when called from async code.
+    """
+    from django.conf import settings
+
+    provider = getattr(feature, "provider", None) if feature is not None else None
+    if provider is not None and provider.kind == "openai-compatible" and provider.remote_model:
+        return provider.remote_model
+    return settings.CEILING_MODEL_NAME
+
+
+@lru_cache(maxsize=1)
+def longest_token_bytes() -> int:
+    """No token is longer than this in UTF-8, so bytes / this is a floor on the token count."""
+    tokenizer = get_tokenizer()
+    longest = max(len(tokenizer.convert_tokens_to_string([token]).encode()) for token in tokenizer.get_vocab())
+    return max(1, longest)
+
+
+def input_too_long_by_size(messages: list[dict], limit: int) -> str | None:
+    """The cheap check: refuse a huge paste from its size alone, without tokenizing it."""
+    size = sum(len(m["content"].encode()) for m in messages)
+    if size > limit * longest_token_bytes() + 64 * len(messages):
+        return (
+            f"Your conversation is {size:,} bytes, far more than the {limit:,} tokens allowed. "
+            "Shorten it and try again."
+        )
+    return None
+
+
+def input_too_long_by_count(prompt_tokens: int, limit: int) -> str | None:
+    if prompt_tokens > limit:
+        return f"Your conversation is {prompt_tokens:,} tokens long; the limit is {limit:,}. Shorten it and try again."
+    return None

@@ -1,0 +1,211 @@
+"""One interface for a generation in flight, whether the local engine or a remote server makes it.
+
+    generation = open_generation(log_row)      # LocalGeneration or RemoteGeneration
+    with running(generation):                  # the one cancel registry of this worker process
+        generation.start(on_text)              # on_text(piece, new_tokens, tokens_so_far), any thread
+        outcome = generation.wait()            # the end, under the engine's idle and total limits
+
+The worker's cancel listener calls cancel(request_id) for every broadcast cancel; whichever kind of
+generation runs that request stops within a step (local) or at once (remote). generation.py turns
+the pieces into frames and the outcome into the ledger row, the same way for both.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from django.conf import settings
+
+from budgets.models import Provider, TokenLog
+from inference.engine import FINISH_CANCELLED, FINISH_ERROR, EngineError
+from inference.engine.detokenizer import IncrementalDecoder
+from inference.engines import get_engine
+from inference.worker import remote
+
+log = logging.getLogger(__name__)
+
+# on_text(piece, new_tokens, tokens_so_far): the text the new tokens added ("" while a character is
+# incomplete), how many tokens that was, and how many the answer has now (what the user has seen).
+OnText = Callable[[str, int, int], None]
+
+
+class GenerationError(RuntimeError):
+    """The generation could not start; the message is safe to show to a user."""
+
+
+@dataclass
+class Outcome:
+    """How a generation ended. Token counts are None where ours stand (the local engine counts ids)."""
+
+    finish_reason: str
+    error: str = ""
+    text: str = ""
+    completion_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int | None = None  # a remote's own count of the prompt (tokenizers differ)
+    completion_tokens: int | None = None  # a remote's own count of the answer
+
+
+class Generation(Protocol):
+    request_id: str
+
+    def start(self, on_text: OnText) -> None: ...
+
+    def wait(self) -> Outcome: ...
+
+    def cancel(self) -> None: ...
+
+
+def open_generation(log_row: TokenLog) -> Generation:
+    """The generation that serves this ledger row: its provider's remote server, else the local engine."""
+    if log_row.provider is not None and log_row.provider.kind == Provider.Kind.OPENAI_COMPATIBLE:
+        return RemoteGeneration(log_row)
+    return LocalGeneration(log_row)
+
+
+# --- the one cancel registry ------------------------------------------------------------------------
+
+_running: dict[str, Generation] = {}
+_running_lock = threading.Lock()
+
+
+@contextmanager
+def running(generation: Generation) -> Iterator[Generation]:
+    """Make the generation reachable by cancel() for as long as the block runs."""
+    with _running_lock:
+        _running[generation.request_id] = generation
+    try:
+        yield generation
+    finally:
+        with _running_lock:
+            if _running.get(generation.request_id) is generation:
+                del _running[generation.request_id]
+
+
+def cancel(request_id: str) -> bool:
+    """Stop a request this process is generating; False when it holds none with that id."""
+    with _running_lock:
+        generation = _running.get(request_id)
+    if generation is None:
+        return False
+    generation.cancel()
+    return True
+
+
+# --- the local engine -------------------------------------------------------------------------------
+
+
+class LocalGeneration:
+    """A request on this worker's engine for the feature's weight variant.
+
+    The engine's pump thread calls on_text for every step (one thread for all requests: a step
+    wakes no thread per request); the task thread only waits for the end.
+    """
+
+    def __init__(self, log_row: TokenLog) -> None:
+        self.request_id = log_row.request_id
+        self.prompt_ids = log_row.transcript.prompt_ids
+        self.max_tokens = log_row.max_tokens
+        self.variant = log_row.feature.quantization if log_row.feature else None
+        self.engine = None
+        self.handle = None
+        self.decoder: IncrementalDecoder | None = None
+
+    def start(self, on_text: OnText) -> None:
+        try:
+            # A worker loads a weight variant at the first request that needs it.
+            self.engine = get_engine(self.variant)
+            self.decoder = decoder = IncrementalDecoder(self.engine.tokenizer)
+
+            def on_event(event) -> None:
+                if event.new_tokens:
+                    on_text(decoder.push(event.new_tokens), len(event.new_tokens), len(decoder.ids))
+
+            self.handle = self.engine.submit(self.request_id, self.prompt_ids, self.max_tokens,
+                                             ignore_eos=settings.CEILING_IGNORE_EOS, listener=on_event)
+        except EngineError as exc:
+            raise GenerationError(str(exc)) from exc
+
+    def wait(self) -> Outcome:
+        finish_reason, error = wait_for_the_end(self.engine, self.handle)
+        return Outcome(finish_reason, error, text=self.decoder.text(), completion_ids=self.handle.tokens)
+
+    def cancel(self) -> None:
+        if self.engine is not None:
+            self.engine.cancel(self.request_id)
+
+
+def wait_for_the_end(engine, handle) -> tuple[str, str]:
+    """(finish reason, error) of a listened-to request, enforcing the engine's idle and total limits."""
+    idle_limit = settings.CEILING_ENGINE_FIRST_TOKEN_S
+    deadline = time.monotonic() + settings.CEILING_ENGINE_DEADLINE_S
+    error = ""
+    while True:
+        now = time.monotonic()
+        idle_left = idle_limit - (now - handle.last_output_at)
+        if idle_left <= 0:
+            engine.cancel(handle.request_id)
+            return FINISH_ERROR, f"the engine produced nothing for {idle_limit:.0f} s"
+        if not error and now > deadline:
+            engine.cancel(handle.request_id)  # its cancelled end follows at once
+            error = f"the answer took longer than {settings.CEILING_ENGINE_DEADLINE_S:.0f} s"
+        wait = idle_left if error else min(idle_left, deadline - now)
+        end = handle.wait_end(timeout=max(wait, 0.01))
+        if end is None:
+            continue
+        if error and end.finish_reason == FINISH_CANCELLED:
+            return FINISH_ERROR, error  # our own deadline cancelled it: a failure, not the user's cancel
+        return end.finish_reason, end.error or error
+
+
+# --- a remote OpenAI-compatible server ----------------------------------------------------------------
+
+
+class RemoteGeneration:
+    """A request streamed from the feature's remote provider; the task thread reads the stream.
+
+    The remote's own token counts go to the ledger; a server that reports none is counted one
+    token per streamed chunk (remote.py).
+    """
+
+    def __init__(self, log_row: TokenLog) -> None:
+        self.request_id = log_row.request_id
+        self.log_row = log_row
+        self.stream: remote.RemoteStream | None = None
+        self.on_text: OnText | None = None
+
+    def start(self, on_text: OnText) -> None:
+        row = self.log_row
+        try:
+            self.stream = remote.open_stream(row.request_id, row.provider, row.model, row.transcript.messages, row.max_tokens)
+        except remote.RemoteConfigError as exc:
+            raise GenerationError(str(exc)) from exc
+        self.on_text = on_text
+        self.stream.start(read_timeout_s=settings.CEILING_ENGINE_DEADLINE_S)
+
+    def wait(self) -> Outcome:
+        stream = self.stream
+        finish_reason, error = FINISH_ERROR, ""
+        pieces = 0  # the remote's own count comes at the end; until then, one token per piece shown
+        try:
+            for event in stream.events(settings.CEILING_ENGINE_FIRST_TOKEN_S, settings.CEILING_ENGINE_DEADLINE_S):
+                if event.text:
+                    pieces += 1
+                    self.on_text(event.text, 1, pieces)
+                if event.finished:
+                    finish_reason, error = event.finish_reason, event.error or ""
+                    break
+        finally:
+            stream.stop.set()  # the reader hangs up, so the remote stops generating
+        # Tokenizers differ: the guard admitted on our count of the prompt; the ledger keeps the remote's.
+        return Outcome(finish_reason, error, text=stream.text, prompt_tokens=stream.prompt_tokens,
+                       completion_tokens=stream.completion_tokens)
+
+    def cancel(self) -> None:
+        if self.stream is not None:
+            self.stream.cancel()

@@ -1,0 +1,292 @@
+"""Stream an answer from a remote OpenAI-compatible server: vLLM, TGI, a hosted API, another Ceiling.
+
+A Feature whose provider has kind "openai-compatible" is served by this instead of the local engine:
+worker/handles.py wraps it in the same Generation interface as the engine, so the worker treats
+both alike:
+
+    stream = open_stream(request_id, provider, model, messages, max_tokens)
+    for event in stream.events(first_token_s, deadline_s):   # RemoteEvent(text, finished, …)
+        ...
+    stream.prompt_tokens, stream.completion_tokens             # as the remote reported them
+
+- One reader thread per request does the HTTP (POST {base_url}/chat/completions, stream=true,
+  `stream_options.include_usage`) and parses the server-sent events into a queue; the worker's
+  thread reads that queue. So a cancel or a timeout ends the request at once, whatever the socket
+  is doing; the reader notices at its next line and closes the connection, which tells the remote
+  to stop generating (a remote Ceiling logs its side cancelled).
+- Cancellation arrives two ways: the worker's cancel listener calls cancel(request_id) for every
+  broadcast cancel (the registry below), and events() also polls is_cancel_requested, which
+  covers a cancel published before this stream was registered.
+- Timeouts are layered: connecting within CONNECT_TIMEOUT_S, the first piece of text within the
+  engine's first-token limit, the end within the engine's deadline.
+- Usage is what the remote reports in its final usage chunk; a server that sends none is counted
+  one token per streamed text chunk (what vLLM and TGI send), and the prompt keeps our estimate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx2 as httpx
+import redis
+
+from budgets.models import Provider
+from inference.bus.cancel import is_cancel_requested
+from inference.engine import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5.0
+CANCEL_POLL_S = 0.25  # how often events() looks at the cancel key in Redis while it waits
+ERROR_DETAIL_CHARS = 200
+
+
+@dataclass
+class RemoteEvent:
+    """A piece of the answer, and maybe its end (finish_reason stop|length|cancelled|error)."""
+
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class RemoteConfigError(RuntimeError):
+    """The provider cannot be called from this worker; the message is safe to show to a user."""
+
+
+_CANCELLED = object()  # pushed into a stream's queue by cancel()
+_READER_DONE = object()  # the reader thread has nothing more to say
+
+
+class RemoteStream:
+    """One request streaming from a remote server; iterate events() to read it."""
+
+    def __init__(self, request_id: str, url: str, headers: dict[str, str], body: dict, label: str) -> None:
+        self.request_id = request_id
+        self.url = url
+        self.headers = headers
+        self.body = body
+        self.label = label  # how errors name the server: "the remote provider 'gpu-farm'"
+        self.outputs: queue.Queue = queue.Queue()
+        self.stop = threading.Event()
+        self.prompt_tokens: int | None = None  # from the remote's usage chunk, when it sends one
+        self.reported_completion_tokens: int | None = None
+        self.chunks = 0  # text chunks received: the count when the remote reports no usage
+        self.text = ""
+        self._reader: threading.Thread | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.reported_completion_tokens if self.reported_completion_tokens is not None else self.chunks
+
+    # --- the worker's side ----------------------------------------------------------------------
+
+    def start(self, read_timeout_s: float) -> None:
+        self._reader = threading.Thread(
+            target=self._read, args=(read_timeout_s,), name=f"remote-{self.request_id[:8]}", daemon=True
+        )
+        self._reader.start()
+
+    def cancel(self) -> None:
+        self.stop.set()
+        self.outputs.put(_CANCELLED)
+
+    def events(self, first_token_s: float, deadline_s: float) -> Iterator[RemoteEvent]:
+        """Yield pieces of text until the end, which is always the last event (finished=True)."""
+        started = time.monotonic()
+        next_cancel_poll = started
+        first_seen = False
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= next_cancel_poll:
+                    next_cancel_poll = now + CANCEL_POLL_S
+                    if _cancel_requested(self.request_id):
+                        yield RemoteEvent("", finished=True, finish_reason=FINISH_CANCELLED)
+                        return
+                if not first_seen and now - started > first_token_s:
+                    yield _failed(f"{self.label} produced nothing for {first_token_s:.0f} s")
+                    return
+                if now - started > deadline_s:
+                    yield _failed(f"the answer took longer than {deadline_s:.0f} s")
+                    return
+                try:
+                    item = self.outputs.get(timeout=CANCEL_POLL_S)
+                except queue.Empty:
+                    continue
+                if item is _CANCELLED:
+                    yield RemoteEvent("", finished=True, finish_reason=FINISH_CANCELLED)
+                    return
+                if item is _READER_DONE:  # the reader always sends an end first; this is a safety net
+                    yield _failed(f"{self.label} ended the stream without finishing the answer")
+                    return
+                if item.text:
+                    first_seen = True
+                    self.text += item.text
+                yield item
+                if item.finished:
+                    return
+        finally:
+            # Whatever ended it (the end, a cancel, a timeout, a caller that stopped reading), the
+            # reader must hang up so the remote stops generating.
+            self.stop.set()
+
+    # --- the reader thread: the only code that touches the connection ----------------------------
+
+    def _read(self, read_timeout_s: float) -> None:
+        timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=read_timeout_s, write=10.0, pool=CONNECT_TIMEOUT_S)
+        try:
+            with httpx.Client(timeout=timeout) as client:
+                with client.stream("POST", self.url, json=self.body, headers=self.headers) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        self._put(_failed(http_error_message(self.label, response.status_code, response.text)))
+                        return
+                    self._put(self._parse(response.iter_lines()))
+        except httpx.ConnectTimeout:
+            self._put(_failed(f"{self.label} did not accept a connection within {CONNECT_TIMEOUT_S:.0f} s"))
+        except httpx.ConnectError as exc:
+            self._put(_failed(f"could not connect to {self.label} ({_reason(exc)})"))
+        except httpx.ReadTimeout:
+            self._put(_failed(f"{self.label} stopped sending for {read_timeout_s:.0f} s"))
+        except httpx.HTTPError as exc:
+            self._put(_failed(f"the connection to {self.label} failed ({_reason(exc)})"))
+        except Exception as exc:  # noqa: BLE001 - whatever happens here, the worker must hear of an end
+            log.exception("remote stream %s failed", self.request_id)
+            self._put(_failed(f"the answer from {self.label} could not be read ({type(exc).__name__})"))
+        finally:
+            self.outputs.put(_READER_DONE)
+
+    def _put(self, event: RemoteEvent | None) -> None:
+        if event is not None and not self.stop.is_set():
+            self.outputs.put(event)
+
+    def _parse(self, lines: Iterator[str]) -> RemoteEvent | None:
+        """Queue each text piece; return the end (None when we stopped reading first)."""
+        finish_reason: str | None = None
+        for line in lines:
+            if self.stop.is_set():
+                return None
+            if not line.startswith("data:"):
+                continue  # blank separators, ": keep-alive" comments, "event:" and "id:" fields
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return RemoteEvent("", finished=True, finish_reason=finish_reason or FINISH_STOP)
+            try:
+                chunk = json.loads(data)
+            except json.JSONDecodeError:
+                return _failed(f"{self.label} sent something that is not a JSON chunk")
+            if not isinstance(chunk, dict):
+                return _failed(f"{self.label} sent something that is not a JSON chunk")
+            if chunk.get("error"):
+                return _failed(f"{self.label} failed mid-answer: {_error_text(chunk['error'])}")
+            self._read_usage(chunk.get("usage"))
+            for choice in chunk.get("choices") or []:
+                if not isinstance(choice, dict):
+                    continue
+                text = (choice.get("delta") or {}).get("content") or ""
+                if text:
+                    self.chunks += 1
+                    self.outputs.put(RemoteEvent(text))
+                if choice.get("finish_reason"):
+                    finish_reason = FINISH_LENGTH if choice["finish_reason"] == "length" else FINISH_STOP
+        if self.stop.is_set():
+            return None
+        if finish_reason is not None:  # some servers close without [DONE]
+            return RemoteEvent("", finished=True, finish_reason=finish_reason)
+        return _failed(f"{self.label} closed the stream before the answer ended")
+
+    def _read_usage(self, usage: object) -> None:
+        if not isinstance(usage, dict):
+            return
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(prompt, int) and prompt >= 0:
+            self.prompt_tokens = prompt
+        if isinstance(completion, int) and completion >= 0:
+            self.reported_completion_tokens = completion
+
+
+# --- opening a stream ----------------------------------------------------------------------------
+
+
+def open_stream(request_id: str, provider: Provider, model: str, messages: list[dict], max_tokens: int) -> RemoteStream:
+    """Build the request; start() sends it."""
+    label = f"the remote provider {provider.name!r}"
+    if not provider.base_url:
+        raise RemoteConfigError(f"{label} has no base URL")
+    headers = {"Accept": "text/event-stream"}
+    if provider.api_key_env:
+        key = os.environ.get(provider.api_key_env)
+        if not key:
+            raise RemoteConfigError(f"{label} needs an API key, but {provider.api_key_env} is not set on this worker")
+        headers["Authorization"] = f"Bearer {key}"
+    body = {
+        "model": provider.remote_model or model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    return RemoteStream(request_id, provider.base_url.rstrip("/") + "/chat/completions", headers, body, label)
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+
+def http_error_message(label: str, status: int, body: str) -> str:
+    """A sentence for a refused request: who refused, the status, and the server's own words."""
+    detail = _error_detail(body)
+    if status in (401, 403):
+        what = f"{label} refused our credentials"
+    elif status == 429:
+        what = f"{label} is rate limiting or out of quota"
+    elif status >= 500:
+        what = f"{label} failed"
+    else:
+        what = f"{label} rejected the request"
+    return f"{what} (HTTP {status}{': ' + detail if detail else ''})"
+
+
+def _error_detail(body: str) -> str:
+    try:
+        parsed = json.loads(body)
+    except (json.JSONDecodeError, ValueError):
+        return " ".join(body.split())[:ERROR_DETAIL_CHARS]
+    if isinstance(parsed, dict) and parsed.get("error"):
+        return _error_text(parsed["error"])
+    if isinstance(parsed, dict) and isinstance(parsed.get("message"), str):
+        return parsed["message"][:ERROR_DETAIL_CHARS]
+    return ""
+
+
+def _error_text(error: object) -> str:
+    if isinstance(error, dict):
+        error = error.get("message") or error.get("code") or ""
+    return str(error).rstrip(".")[:ERROR_DETAIL_CHARS]
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc)
+    if "refused" in text.lower():
+        return "connection refused"
+    return text[:ERROR_DETAIL_CHARS] or type(exc).__name__
+
+
+def _failed(error: str) -> RemoteEvent:
+    return RemoteEvent("", finished=True, finish_reason=FINISH_ERROR, error=error)
+
+
+def _cancel_requested(request_id: str) -> bool:
+    try:
+        return is_cancel_requested(request_id)
+    except redis.RedisError as exc:
+        log.warning("could not check the cancel key of %s: %s", request_id, exc)
+        return False
