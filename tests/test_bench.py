@@ -151,7 +151,11 @@ def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transa
         "--json", str(out), "--html", str(page), stdout=printed,
     )
     result = json.loads(out.read_text())
-    assert set(result) == {"workload", "machine", "modes", "prefix", "roofline_tokens_per_s"}
+    assert set(result) == {"workload", "machine", "modes", "prefix", "roofline_tokens_per_s", "tpot_ms_at_1",
+                           "bandwidth_roofline_tpot_ms_at_1"}
+    # A lone request after the workload, beside the time to read its step's weights once.
+    assert list(result["tpot_ms_at_1"]) == ["engine"] and result["tpot_ms_at_1"]["engine"] > 0
+    assert 0 < result["bandwidth_roofline_tpot_ms_at_1"]
     assert list(result["modes"]) == ["sequential", "static", "engine", "stack"]
     expected_tokens = result["workload"]["output_tokens_total"]
     for name, figures in result["modes"].items():
@@ -169,6 +173,11 @@ def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transa
     assert abs(result["roofline_tokens_per_s"] - roofline) <= 0.01 * roofline
     details = json.loads(page.with_suffix(".details.json").read_text())
     assert details["extras"]["engine"]["peak_running_batch"] >= 1
+    engine = details["extras"]["engine"]
+    assert engine["loop"] == "owned" and engine["decode_bytes_per_step_at_1"] > 400_000_000  # fp32: every weight once
+    assert engine["bandwidth_roofline_tpot_ms_at_1"] == pytest.approx(
+        engine["decode_bytes_per_step_at_1"] / (engine["copy_bandwidth_gb_s"] * 1e9) * 1000, rel=0.02)
+    assert "a lone request" in printed.getvalue() and "memory-bandwidth roofline" in printed.getvalue()
     assert 0 < details["extras"]["stack"]["connect_ms_p50"] <= details["extras"]["stack"]["connect_ms_p99"]
     assert "handshake p50" in printed.getvalue()
     # The stack's TTFT in three parts, from each request's ledger row; they add up to the client's TTFT.

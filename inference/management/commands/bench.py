@@ -39,6 +39,8 @@ class Command(BaseCommand):
                             help="an OpenAI-compatible server (e.g. llama.cpp's llama-server) to replay the same workload "
                                  "against as the peer mode, in the same run (docs/benchmarks.md says how to build one)")
         parser.add_argument("--threads", type=int, default=settings.CEILING_TORCH_THREADS)
+        parser.add_argument("--loop", choices=("owned", "transformers"), default=settings.CEILING_ENGINE_LOOP,
+                            help="the decode loop of the engine and stack modes (CEILING_ENGINE_LOOP)")
         parser.add_argument("--attention", choices=("varlen", "sdpa"), default=settings.CEILING_ATTENTION)
         parser.add_argument("--skinny-linear", action=argparse.BooleanOptionalAction, default=settings.CEILING_SKINNY_LINEAR,
                             help="decode-sized matmuls as W·xᵀ where the engine measures that faster when it loads (inference/engine/patches/linears.py)")
@@ -121,6 +123,7 @@ class Command(BaseCommand):
         machine = machine_facts(threads)
         flops_before = measured_flops(threads)
         machine["parameters"] = parameter_count(folder)
+        machine["loop"] = options["loop"]
         machine["attention"] = options["attention"]
         machine["max_batch_tokens"] = options["max_batch_tokens"]
         machine["skinny_linear"] = options["skinny_linear"]
@@ -132,6 +135,7 @@ class Command(BaseCommand):
             f"({workload['arrivals']}); machine: {flops_before / 1e9:.1f} GFLOP/s on {threads} threads"
         )
         engine_options = {
+            "loop": options["loop"],
             "attention": options["attention"],
             "max_batch_tokens": options["max_batch_tokens"],
             "skinny_linear": options["skinny_linear"],
@@ -174,6 +178,7 @@ class Command(BaseCommand):
         from inference.tools.stack_bench import run_stack
 
         env = {
+            "CEILING_ENGINE_LOOP": engine_options["loop"],
             "CEILING_ATTENTION": engine_options["attention"],
             "CEILING_MAX_BATCH_TOKENS": str(engine_options["max_batch_tokens"]),
             "CEILING_SKINNY_LINEAR": "1" if engine_options["skinny_linear"] else "0",
