@@ -13,7 +13,7 @@ from django.conf import settings
 
 from budgets.models import TokenLog
 from inference.actions import do_admit_request
-from inference.engine import Engine, EngineConfig, EngineError, in_a_passing_thread
+from inference.engine import Engine, EngineConfig, EngineError, Sampling, in_a_passing_thread
 from inference.engines import model_dir
 from inference.tasks import generate
 from tests.conftest import wait_for
@@ -205,6 +205,19 @@ def test_requests_that_would_kill_the_loop_are_refused_up_front(engine, prompt_i
     # The manager is still alive and serving.
     tokens, _ = _read_all(engine.submit("after-bad", engine.encode_chat([{"role": "user", "content": "Hi"}]), 3))
     assert tokens
+
+
+def test_sampled_requests_stream_logprobs_on_the_owned_loop_and_are_refused_on_transformers(engine):
+    prompt = engine.encode_chat([{"role": "user", "content": "Name a colour."}])
+    sampling = Sampling(temperature=1.0, seed=3, logprobs=True)
+    if engine.loop != "owned":
+        with pytest.raises(EngineError, match="sampling parameters need CEILING_ENGINE_LOOP=owned"):
+            engine.submit("sampled", prompt, 4, sampling=sampling)
+        return
+    events = list(engine.submit("sampled", prompt, 4, ignore_eos=True, sampling=sampling).events(timeout=60))
+    tokens = [token for event in events for token in event.new_tokens]
+    logprobs = [entry for event in events for entry in event.new_logprobs]
+    assert len(tokens) == len(logprobs) == 4 and all(value <= 0 for value, _ in logprobs)
 
 
 def test_stats_report_batch_cache_and_throughput(engine):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.engine import Engine, EngineConfig
+from inference.engine import GREEDY, Engine, EngineConfig, EngineError, Sampling
 from inference.engine.owned.blocks import BlockManager
 from inference.engine.owned.manager import OwnedManager
 from inference.engine.owned.runner import unsupported_reason
@@ -143,3 +143,82 @@ def test_the_engine_says_which_loop_runs_and_falls_back_for_a_model_it_cannot_ru
     messages: list[str] = []
     assert engine._choose_loop(messages.append) == "transformers"
     assert "cannot run this model" in messages[0] and "gpt2" in messages[0]
+
+
+# --- sampling -----------------------------------------------------------------------------------
+
+
+def _answers(manager: OwnedManager, requests: dict[str, tuple[list[int], Sampling]], new_tokens: int):
+    for request_id, (prompt, sampling) in requests.items():
+        manager.add_request(prompt, request_id, new_tokens, eos_token_id=-1, sampling=sampling)
+    outputs, open_requests = {}, set(requests)
+    while open_requests:
+        output = manager.get_result(timeout=60)
+        assert output is not None and output.error is None
+        outputs[output.request_id] = output
+        if output.is_finished():
+            open_requests.discard(output.request_id)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def sampling_manager(model):
+    manager = OwnedManager(model, num_blocks=64, page_size=16, max_batch_tokens=64, prefix_sharing=True)
+    manager.start()
+    yield manager
+    manager.stop()
+
+
+def test_a_seed_reproduces_a_sampled_answer_whatever_shares_its_batch(sampling_manager, prompts):
+    hot = Sampling(temperature=1.2, seed=7)
+    alone = _answers(sampling_manager, {"alone": (prompts[0], hot)}, 16)["alone"].generated_tokens
+    batched = _answers(sampling_manager, {
+        "again": (prompts[0], hot),
+        "other-seed": (prompts[0], Sampling(temperature=1.2, seed=8)),
+        "neighbour": (prompts[1], GREEDY),
+    }, 16)
+    assert batched["again"].generated_tokens == alone
+    assert batched["other-seed"].generated_tokens != alone
+    assert batched["neighbour"].generated_tokens == greedy(sampling_manager.model, prompts[1], 16)
+
+
+def test_temperature_zero_and_a_tiny_top_p_are_greedy(sampling_manager, model, prompts):
+    outputs = _answers(sampling_manager, {
+        "cold": (prompts[2], Sampling(temperature=0, seed=1)),
+        "narrow": (prompts[2], Sampling(temperature=1.5, top_p=1e-6, seed=1)),
+    }, 10)
+    expected = greedy(model, prompts[2], 10)
+    assert outputs["cold"].generated_tokens == expected and outputs["narrow"].generated_tokens == expected
+
+
+def test_a_frequency_penalty_changes_a_repetitive_greedy_answer(sampling_manager, prompts):
+    outputs = _answers(sampling_manager, {
+        "plain": (prompts[2], GREEDY), "penalised": (prompts[2], Sampling(frequency_penalty=2.0)),
+    }, 24)
+    plain, penalised = outputs["plain"].generated_tokens, outputs["penalised"].generated_tokens
+    assert penalised != plain
+    assert max(penalised.count(t) for t in set(penalised)) <= max(plain.count(t) for t in set(plain))
+
+
+def test_logprobs_are_the_models_own_for_the_chosen_token_and_its_alternatives(sampling_manager, model, prompts):
+    output = _answers(sampling_manager, {"lp": (prompts[0], Sampling(logprobs=True, top_logprobs=3))}, 3)["lp"]
+    assert len(output.logprobs) == 3
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[0] + output.generated_tokens[:2]])).logits[0, -3:]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for position, (token, (logprob, top)) in enumerate(zip(output.generated_tokens, output.logprobs, strict=True)):
+        assert logprob == pytest.approx(float(expected[position, token]), abs=1e-3)
+        assert len(top) == 3 and top[0][0] == token  # greedy: the chosen token is the most likely
+        assert [value for _, value in top] == sorted((value for _, value in top), reverse=True)
+
+
+@pytest.mark.parametrize("values, fragment", [
+    ({"temperature": 2.5}, "temperature must be between 0 and 2"),
+    ({"top_p": 0}, "top_p must be greater than 0"),
+    ({"presence_penalty": -3}, "presence_penalty must be between -2 and 2"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs must be between 0 and 20"),
+    ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
+])
+def test_sampling_values_out_of_range_are_refused_with_the_range(values, fragment):
+    with pytest.raises(EngineError, match=fragment):
+        Sampling(**values)

@@ -24,6 +24,8 @@ _EXPORTS = {
     "FINISH_STOP": "config",
     "EngineConfig": "config",
     "EngineError": "config",
+    "GREEDY": "config",
+    "Sampling": "config",
     "default_device": "config",
     "IncrementalDecoder": "detokenizer",
     "Engine": "loop",

@@ -40,6 +40,59 @@ class EngineConfig:
     quantization: str = "none"
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen; the default is greedy (what the chat page and the bench use).
+
+    The ranges are OpenAI's, so the API can pass a client's values straight through. `seed` makes a
+    sampled answer reproducible: each request draws from its own generator, so the rows a batch
+    happens to hold beside it change nothing.
+    """
+
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False  # report each chosen token's log-probability
+    top_logprobs: int = 0  # and this many most likely alternatives
+
+    def __post_init__(self) -> None:
+        problem = self.problem()
+        if problem:
+            raise EngineError(problem)
+
+    def problem(self) -> str | None:
+        """Why these values are out of range, or None."""
+        if not 0 <= self.temperature <= 2:
+            return f"temperature must be between 0 and 2, not {self.temperature}"
+        if not 0 < self.top_p <= 1:
+            return f"top_p must be greater than 0 and at most 1, not {self.top_p}"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                return f"{name} must be between -2 and 2, not {getattr(self, name)}"
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            return f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, not {self.top_logprobs}"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs needs logprobs to be true"
+        return None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 and not self.presence_penalty and not self.frequency_penalty
+
+    @property
+    def plain(self) -> bool:
+        """Greedy and reporting nothing extra: what transformers' loop can also serve."""
+        return self.greedy and not self.logprobs
+
+
+GREEDY = Sampling()
+
+
 def default_device() -> str:
     """CUDA when this machine has a GPU, else the CPU."""
     import torch  # here, not at the top: the web tier reads this module's names without torch

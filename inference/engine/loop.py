@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .chat import encode_chat
-from .config import EngineConfig, EngineError
+from .config import GREEDY, EngineConfig, EngineError, Sampling
 from .internals import kv_block_usage, scheduler_counts
 from .owned.manager import OwnedManager
 from .owned.runner import unsupported_reason
@@ -193,7 +193,7 @@ class Engine:
 
     def submit(
         self, request_id: str, input_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False,
-        listener: Callable[[StreamEvent], None] | None = None,
+        listener: Callable[[StreamEvent], None] | None = None, sampling: Sampling = GREEDY,
     ) -> RequestHandle:
         if not input_ids:
             raise EngineError("the prompt is empty")
@@ -206,6 +206,9 @@ class Engine:
             )
         if self.manager is None or not self.manager.is_running():
             raise EngineError("the engine is not running")
+        if not sampling.plain and self.loop != "owned":
+            raise EngineError("this engine runs transformers' loop, which decodes greedily without logprobs: "
+                              "sampling parameters need CEILING_ENGINE_LOOP=owned")
         # A fresh engine id every time: Celery reuses a task id on retry, and a duplicate id would
         # kill the manager's loop.
         engine_id = f"{request_id}#{uuid.uuid4().hex[:8]}"
@@ -221,6 +224,7 @@ class Engine:
                 max_new_tokens=max_new_tokens,
                 streaming=True,
                 eos_token_id=-1 if ignore_eos else sorted(eos_ids),
+                **({"sampling": sampling} if self.loop == "owned" else {}),
             )
         except queue.Full:
             self._forget(engine_id)

@@ -21,6 +21,8 @@ class StreamEvent:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    # One (logprob, [(token id, logprob), …]) per new token, when the request asked for logprobs.
+    new_logprobs: list | None = None
 
 
 @dataclass
@@ -95,14 +97,17 @@ class RequestHandle:
             return StreamEvent([], finished=True, finish_reason=FINISH_CANCELLED)
         # Only the step's new tokens are copied: the pump calls this for every running request
         # every step, and copying each whole answer so far made that quadratic in its length.
-        new = list(item.generated_tokens[len(self.tokens) :])
+        seen = len(self.tokens)
+        new = list(item.generated_tokens[seen:])
         self.tokens.extend(new)
+        all_logprobs = getattr(item, "logprobs", None)
+        logprobs = list(all_logprobs[seen : seen + len(new)]) if all_logprobs is not None else None
         if not item.is_finished():
-            return StreamEvent(new)
+            return StreamEvent(new, new_logprobs=logprobs)
         if item.error:
-            return StreamEvent(new, finished=True, finish_reason=FINISH_ERROR, error=str(item.error))
+            return StreamEvent(new, finished=True, finish_reason=FINISH_ERROR, error=str(item.error), new_logprobs=logprobs)
         reason = FINISH_STOP if self.tokens and self.tokens[-1] in self.eos_ids else FINISH_LENGTH
-        return StreamEvent(new, finished=True, finish_reason=reason)
+        return StreamEvent(new, finished=True, finish_reason=reason, new_logprobs=logprobs)
 
 
 

@@ -15,8 +15,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..config import GREEDY, Sampling
 from .blocks import BlockManager
 from .runner import ModelRunner
+from .sampler import pick_tokens
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -31,6 +33,7 @@ class StepOutput:
     generated_tokens: list[int]  # the request's live list: the pump copies only what is new
     finished: bool = False
     error: str | None = None
+    logprobs: list | None = None  # the request's live list of (logprob, top) entries, when it asked
 
     def is_finished(self) -> bool:
         return self.finished
@@ -73,14 +76,15 @@ class OwnedManager:
             self._thread.join(timeout)
 
     def add_request(self, input_ids: list[int], request_id: str, max_new_tokens: int, streaming: bool = True,
-                    eos_token_id=None) -> str | None:
+                    eos_token_id=None, sampling: Sampling = GREEDY) -> str | None:
         if self._stopping.is_set() or not self.is_running():
             return None
         if eos_token_id is None or eos_token_id == -1:
             eos_ids = frozenset()
         else:
             eos_ids = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
-        self._incoming.put(("add", Sequence(request_id, list(input_ids), max_new_tokens, eos_ids)))
+        seq = Sequence(request_id, list(input_ids), max_new_tokens, eos_ids, sampling=sampling)
+        self._incoming.put(("add", seq))
         self._wake.set()
         return request_id
 
@@ -147,8 +151,7 @@ class OwnedManager:
             self._wake.wait(timeout=0.01)  # everything waits for blocks held by nobody running: none
             return
         started = time.perf_counter()
-        tokens = self.runner.step(plan)
-        self.step_seconds += time.perf_counter() - started
+        logits = self.runner.step(plan)
         self.steps += 1
         yielding = list(plan.decode)
         for chunk in plan.prefill:
@@ -158,10 +161,15 @@ class OwnedManager:
                 yielding.append(chunk.seq)
         for seq in plan.decode:
             seq.computed = len(seq)
-        for seq, token in zip(yielding, tokens, strict=True):
+        tokens, entries = pick_tokens(logits, yielding) if yielding else ([], [])
+        self.step_seconds += time.perf_counter() - started
+        for seq, token, entry in zip(yielding, tokens, entries, strict=True):
             seq.append(token)
+            if entry is not None:
+                seq.logprobs.append(entry)
             finished = seq.done
             if finished:
                 self.scheduler.finish(seq)
                 by_id.pop(seq.request_id, None)
-            self._outputs.put(StepOutput(seq.request_id, seq.generated, finished=finished))
+            logprobs = seq.logprobs if seq.sampling.logprobs else None
+            self._outputs.put(StepOutput(seq.request_id, seq.generated, finished=finished, logprobs=logprobs))

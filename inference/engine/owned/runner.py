@@ -100,18 +100,17 @@ class ModelRunner:
     # --- one step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, plan: StepPlan) -> list[int]:
-        """Compute the plan's rows; return the next token of each row that yields one, in plan order."""
+    def step(self, plan: StepPlan) -> torch.Tensor | None:
+        """Compute the plan's rows; the logits of each row that yields a token, in plan order (None: no row does)."""
         batch = _StepBatch(self, plan)
         hidden = F.embedding(batch.input_ids, self.embed)
         for index, layer in enumerate(self.layers):
             hidden = self._layer(index, layer, hidden, batch)
         if not batch.logit_rows.numel():
-            return []  # only prompt chunks that end mid-prompt: no token this step
+            return None  # only prompt chunks that end mid-prompt: no token this step
         rows = hidden.index_select(0, batch.logit_rows) if batch.logit_rows.numel() != hidden.shape[0] else hidden
         rows = F.rms_norm(rows, (self.hidden,), self.final_norm, self.eps)
-        logits = self.lm_head(rows)
-        return logits.argmax(dim=-1).tolist()
+        return self.lm_head(rows)
 
     def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, batch: _StepBatch) -> torch.Tensor:
         rows = hidden.shape[0]

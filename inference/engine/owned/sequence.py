@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..config import GREEDY, Sampling
+
 WAITING = "waiting"
 RUNNING = "running"
 FINISHED = "finished"
@@ -24,6 +26,9 @@ class Sequence:
     hashed_blocks: int = 0  # leading full blocks registered for prefix sharing
     last_hash: int | None = None  # the hash chain's value after those blocks
     error: str | None = None
+    sampling: Sampling = GREEDY
+    generator: object = None  # a torch.Generator of its own when it samples (see sampler.py)
+    logprobs: list = field(default_factory=list)  # one (logprob, top alternatives) per generated token, if asked
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.generated)
