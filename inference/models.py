@@ -20,9 +20,32 @@ class Transcript(models.Model):
     prompt_ids = models.JSONField(default=list)
     completion_ids = models.JSONField(default=list)
     response_text = models.TextField(blank=True)
+    # What an API client asked for beyond the prompt (temperature, stop, tools, …; inference/web/params.py),
+    # only the values it gave: the worker hands them to the engine or the remote server. {} is greedy.
+    params = models.JSONField(default=dict, blank=True)
+    # OpenAI's `user` field: the caller's own id for the person behind the request, kept beside
+    # the ledger row (whose `user` is the API key's owner) so staff can trace abuse to it.
+    end_user = models.CharField(max_length=256, blank=True)
 
     def __str__(self) -> str:
         return f"transcript of {self.log.request_id}"
+
+
+class ModelAlias(models.Model):
+    """A model name that routes an API request to a feature (`"model": "support-bot"` → feature support).
+
+    Staff set them on the feature page; a name belongs to one feature only (the unique index), and
+    the served model's own name (CEILING_MODEL_NAME) is never an alias: it selects the default feature.
+    """
+
+    name = models.CharField(max_length=100, unique=True)
+    feature = models.ForeignKey(Feature, on_delete=models.CASCADE, related_name="model_aliases")
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} → {self.feature.name}"
 
 
 class BatchJob(models.Model):
