@@ -8,9 +8,9 @@ from django.db import transaction
 from budgets.actions import Usage, do_record_usage, do_save_with_audit, snapshot
 from budgets.alerts import check_provider_thresholds_safely
 from budgets.guard import AdmissionRequest, Decision, LoopLimits, admit, settle
-from budgets.models import Feature, TokenLog, unique_row
+from budgets.models import AuditEntry, Feature, TokenLog, unique_row
 
-from .models import QuantizationEvaluation, QuantizationPolicy, Transcript
+from .models import ModelAlias, QuantizationEvaluation, QuantizationPolicy, Transcript
 
 
 def do_admit_request(
@@ -23,6 +23,8 @@ def do_admit_request(
     prompt_ids: list[int],
     max_tokens: int,
     loop: LoopLimits | None = None,
+    params: dict | None = None,
+    end_user: str = "",
 ) -> Decision:
     """Ask the guard; when admitted, store the prompt for the worker. Refusals are logged by the guard."""
     request = AdmissionRequest(
@@ -36,13 +38,14 @@ def do_admit_request(
     )
     decision = admit(request)
     if decision.admitted:
-        store_prompt(decision.log, messages, prompt_ids)
+        store_prompt(decision.log, messages, prompt_ids, params or {}, end_user)
     return decision
 
 
-def store_prompt(log: TokenLog, messages: list[dict], prompt_ids: list[int]) -> Transcript:
-    """What the worker will read: the prompt of an admitted request."""
-    return Transcript.objects.create(log=log, messages=messages, prompt_ids=prompt_ids)
+def store_prompt(log: TokenLog, messages: list[dict], prompt_ids: list[int], params: dict | None = None,
+                 end_user: str = "") -> Transcript:
+    """What the worker will read: the prompt of an admitted request, and how to sample its answer."""
+    return Transcript.objects.create(log=log, messages=messages, prompt_ids=prompt_ids, params=params or {}, end_user=end_user)
 
 
 @transaction.atomic
@@ -164,3 +167,23 @@ def do_switch_quantization(actor: AbstractBaseUser | None, feature: Feature, mod
     before = snapshot(feature, ["quantization"])
     feature.quantization = mode
     return do_save_with_audit(actor, feature, ["quantization"], before, target=f"feature {feature.name}")
+
+
+# --- model aliases: which feature a request's "model" selects ---------------------------------------
+
+
+@transaction.atomic
+def do_set_model_aliases(actor: AbstractBaseUser | None, feature: Feature, names: list[str]) -> AuditEntry | None:
+    """The feature's aliases become exactly `names` (audited); None when nothing changed.
+
+    An alias taken meanwhile by another feature raises IntegrityError (the unique index decides).
+    """
+    before = list(feature.model_aliases.order_by("name").values_list("name", flat=True))
+    if sorted(names) == before:
+        return None
+    feature.model_aliases.exclude(name__in=names).delete()
+    ModelAlias.objects.bulk_create([ModelAlias(name=name, feature=feature) for name in names if name not in before])
+    return AuditEntry.objects.create(
+        actor=actor, action="update", target=f"feature {feature.name}", field="model_aliases",
+        before=", ".join(before) or "none", after=", ".join(sorted(names)) or "none",
+    )

@@ -14,8 +14,8 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
-from functools import wraps
+from dataclasses import dataclass, replace
+from functools import partial, wraps
 from typing import Any
 
 from channels.db import database_sync_to_async
@@ -28,8 +28,11 @@ from accounts.actions import do_touch_api_key
 from accounts.models import ApiKey
 from budgets.models import Feature
 
+from .models import ModelAlias
 from .web.chat_request import INTERNAL_ERROR, run_chat
-from .web.frames import ChatFrame, FrameError, parse_chat
+from .web.frames import DEFAULT_FEATURE, ChatFrame, FrameError, parse_chat
+from .web.params import ParamError, parse_params
+from .web.ratelimits import rate_limit_headers
 
 View = Callable[..., Awaitable[HttpResponse]]
 
@@ -62,9 +65,16 @@ def api_error(
     return JsonResponse(error_body(message, type=type, code=code, param=param), status=status, headers=headers)
 
 
-def invalid_request(exc: FrameError) -> JsonResponse:
+def invalid_request(exc: FrameError | ParamError) -> JsonResponse:
     status = 413 if exc.code == "request_too_large" else 400
-    return api_error(status, exc.message, type="invalid_request_error", code=exc.code, param=PARAMS.get(exc.code))
+    param = exc.param if isinstance(exc, ParamError) else PARAMS.get(exc.code)
+    return api_error(status, exc.message, type="invalid_request_error", code=exc.code, param=param)
+
+
+def model_not_found(model: str) -> JsonResponse:
+    # OpenAI's own words and shape for a model that is not there, so clients handle it as theirs.
+    message = f"The model `{model}` does not exist or you do not have access to it. GET /v1/models lists the models you can use."
+    return api_error(404, message, type="invalid_request_error", code="model_not_found")
 
 
 def refusal_status(code: str) -> tuple[int, str]:
@@ -94,6 +104,8 @@ def error_event(event: dict) -> tuple[int, dict]:
     """(status, body) of a chat request's `error` event: a bad request, or the engine or we failed."""
     if event["code"] in ("unknown_feature", "batch_only"):
         return 400, error_body(event["message"], type="invalid_request_error", code=event["code"], param="feature")
+    if event["code"] == "tools_unsupported":
+        return 400, error_body(event["message"], type="invalid_request_error", code=event["code"], param="tools")
     if event["code"] == "invalid_json":
         return 502, error_body(event["message"], type="server_error", code=event["code"])  # the model's answer was bad
     status = 500 if event["code"] == "internal" else 503
@@ -147,6 +159,7 @@ class ChatRequest:
     frame: ChatFrame
     model: str
     stream: bool
+    feature_given: bool  # the body named its feature: that wins over the model's routing
 
 
 def read_body(request: HttpRequest) -> bytes:
@@ -189,7 +202,17 @@ def parse_chat_request(body: bytes) -> ChatRequest:
         "max_tokens": _first_given(data.get("max_completion_tokens"), data.get("max_tokens")),
     }
     frame = parse_chat({name: value for name, value in fields.items() if value is not None})
-    return ChatRequest(frame, model, stream)
+    frame = replace(frame, params=parse_params(data))
+    return ChatRequest(frame, model, stream, feature_given=data.get("feature") is not None)
+
+
+@database_sync_to_async
+def routed_feature(model: str) -> str | None:
+    """The feature a model name selects: its alias's, the default one for the served model, else None."""
+    feature = ModelAlias.objects.filter(name=model).values_list("feature__name", flat=True).first()
+    if feature is not None:
+        return feature
+    return DEFAULT_FEATURE if model == settings.CEILING_MODEL_NAME else None
 
 
 def _first_given(*values: Any) -> Any:
@@ -222,22 +245,55 @@ def is_extract(feature_name: str) -> bool:
 # --- views -------------------------------------------------------------------------------------
 
 
+def with_rate_limits(view: View) -> View:
+    """Every answer of an authenticated /v1 view carries OpenAI's x-ratelimit-* headers.
+
+    The view sets request.rate_limit_feature once it knows which feature's caps apply (None: the
+    caller's caps for all features). They are read after the view's work, so a finished answer's
+    own request and tokens are counted, and a streamed one's reservation.
+    """
+
+    @wraps(view)
+    async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+        request.rate_limit_feature = None
+        response = await view(request, *args, **kwargs)
+        headers = await read_rate_limits(request.api_key.user, request.rate_limit_feature)
+        for name, value in headers.items():
+            response[name] = value
+        return response
+
+    return wrapper
+
+
+# Off the one thread-sensitive thread: a quota query and a Redis read, beside the request's own work.
+@partial(database_sync_to_async, thread_sensitive=False)
+def read_rate_limits(user, feature_name: str | None) -> dict[str, str]:
+    return rate_limit_headers(user, feature_name)
+
+
 @csrf_exempt
 @api_key_required
+@with_rate_limits
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     if request.method != "POST":
         return api_error(405, "Use POST for /v1/chat/completions.", type="invalid_request_error", code="method_not_allowed")
     try:
         chat = parse_chat_request(read_body(request))
-    except FrameError as exc:
+    except (FrameError, ParamError) as exc:
         return invalid_request(exc)
+    if not chat.feature_given:
+        feature = await routed_feature(chat.model)
+        if feature is None:
+            return model_not_found(chat.model)
+        chat = replace(chat, frame=replace(chat.frame, feature=feature))
+    request.rate_limit_feature = chat.frame.feature
     stream = chat.stream and not await is_extract(chat.frame.feature)
     events = run_chat(request.api_key.user, chat.frame)
     first = await anext(events, INTERNAL_ERROR)
     if first["type"] != "accepted":
         await events.aclose()
         return refusal_response(first) if first["type"] == "refused" else error_event_response(first)
-    completion = Completion(first["request_id"], chat.model)
+    completion = Completion(first["request_id"], chat.model, logprobs=chat.frame.params.logprobs)
     if stream:
         response = StreamingHttpResponse(stream_chunks(events, completion), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
@@ -250,11 +306,24 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
 
 @csrf_exempt
 @api_key_required
+@with_rate_limits
 async def list_models(request: HttpRequest) -> HttpResponse:
     if request.method != "GET":
         return api_error(405, "Use GET for /v1/models.", type="invalid_request_error", code="method_not_allowed")
-    model = {"id": settings.CEILING_MODEL_NAME, "object": "model", "created": 0, "owned_by": "ceiling"}
-    return JsonResponse({"object": "list", "data": [model]})
+    return JsonResponse({"object": "list", "data": await listed_models()})
+
+
+@database_sync_to_async
+def listed_models() -> list[dict]:
+    """The served model (the default feature), then one entry per alias of a feature an API caller can use."""
+    def entry(name: str, feature: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "ceiling", "feature": feature}
+
+    aliases = (
+        ModelAlias.objects.filter(feature__enabled=True).exclude(feature__mode=Feature.Mode.BATCH)
+        .order_by("name").values_list("name", "feature__name")
+    )
+    return [entry(settings.CEILING_MODEL_NAME, DEFAULT_FEATURE), *(entry(name, feature) for name, feature in aliases)]
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -263,23 +332,32 @@ async def list_models(request: HttpRequest) -> HttpResponse:
 class Completion:
     """The OpenAI objects of one answer; the id carries our request id, as in the TokenLog."""
 
-    def __init__(self, request_id: str, model: str) -> None:
+    def __init__(self, request_id: str, model: str, *, logprobs: bool = False) -> None:
         self.request_id = request_id
         self.id = f"chatcmpl-{request_id}"
         self.model = model
         self.created = int(time.time())
+        self.logprobs = logprobs  # the client asked for them: each choice carries {"content": [...]}
 
-    def chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def chunk(self, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
         return self._object("chat.completion.chunk", choices=[choice])
 
     def usage_chunk(self, done: dict) -> dict:
         return self._object("chat.completion.chunk", choices=[], usage=usage(done))
 
-    def whole(self, text: str, done: dict) -> dict:
+    def whole(self, text: str, done: dict, logprobs: list | None = None) -> dict:
         message = {"role": "assistant", "content": text, "refusal": None}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": done["finish_reason"]}
+        if done.get("tool_calls"):
+            message["tool_calls"] = done["tool_calls"]
+            message["content"] = text or None  # OpenAI's content is null beside tool calls
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": done["finish_reason"]}
         return self._object("chat.completion", choices=[choice], usage=usage(done))
+
+    def _logprobs(self, entries: list | None) -> dict | None:
+        if not self.logprobs or entries is None:
+            return None
+        return {"content": entries, "refusal": None}
 
     def _object(self, kind: str, **fields) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, **fields}
@@ -297,13 +375,15 @@ def usage(done: dict) -> dict:
 
 async def collect_completion(events: AsyncIterator[dict], completion: Completion) -> JsonResponse:
     parts: list[str] = []
+    logprobs: list = []
     async with aclosing(events):
         async for event in events:
             if event["type"] == "token":
                 parts.append(event["text"])
+                logprobs.extend(event.get("logprobs") or ())
             elif event["type"] == "done":
                 text = json.dumps(event["result"]) if "result" in event else "".join(parts)
-                return JsonResponse(completion.whole(text, event))
+                return JsonResponse(completion.whole(text, event, logprobs))
             elif event["type"] == "error":
                 return error_event_response(event)
     return error_event_response(INTERNAL_ERROR)
@@ -319,8 +399,13 @@ async def stream_chunks(events: AsyncIterator[dict], completion: Completion) -> 
         yield sse(completion.chunk({"role": "assistant", "content": ""}))
         async for event in events:
             if event["type"] == "token":
-                yield sse(completion.chunk({"content": event["text"]}))
+                yield sse(completion.chunk({"content": event["text"]}, logprobs=event.get("logprobs") or []))
             elif event["type"] == "done":
+                if "result" in event:  # response_format JSON: the checked object, whole, in one piece
+                    yield sse(completion.chunk({"content": json.dumps(event["result"])}))
+                if event.get("tool_calls"):
+                    calls = [{"index": index, **call} for index, call in enumerate(event["tool_calls"])]
+                    yield sse(completion.chunk({"tool_calls": calls}))
                 yield sse(completion.chunk({}, finish_reason=event["finish_reason"]))
                 yield sse(completion.usage_chunk(event))
                 yield b"data: [DONE]\n\n"

@@ -45,7 +45,7 @@ def _chat_completions() -> dict:
         "responses": {
             "200": {
                 "description": "the answer, whole (stream false) or as server-sent chat.completion.chunk events",
-                "headers": {"X-Request-Id": {"schema": {"type": "string"}, "description": "the ledger's request id"}},
+                "headers": {"X-Request-Id": {"schema": {"type": "string"}, "description": "the ledger's request id"}, **RATE_LIMIT_HEADERS},
                 "content": {
                     JSON: {"schema": {"$ref": "#/components/schemas/ChatCompletion"}},
                     "text/event-stream": {"schema": {"type": "string"}},
@@ -54,6 +54,7 @@ def _chat_completions() -> dict:
             "400": {"$ref": "#/components/responses/BadRequest"},
             "401": {"$ref": "#/components/responses/Unauthorized"},
             "403": {"$ref": "#/components/responses/FeatureDisabled"},
+            "404": {"$ref": "#/components/responses/ModelNotFound"},
             "405": {"$ref": "#/components/responses/MethodNotAllowed"},
             "413": {"$ref": "#/components/responses/TooLarge"},
             "429": {"$ref": "#/components/responses/Refused"},
@@ -67,7 +68,8 @@ def _models() -> dict:
     return {
         "operationId": "listModels",
         "responses": {
-            "200": {"description": "the served model", "content": {JSON: {"schema": {"$ref": "#/components/schemas/ModelList"}}}},
+            "200": {"description": "the served model and each alias of a feature the caller may use", "headers": RATE_LIMIT_HEADERS,
+                    "content": {JSON: {"schema": {"$ref": "#/components/schemas/ModelList"}}}},
             "401": {"$ref": "#/components/responses/Unauthorized"},
             "405": {"$ref": "#/components/responses/MethodNotAllowed"},
         },
@@ -86,7 +88,12 @@ def _schemas() -> dict:
             "type": "object",
             "required": ["messages"],
             "properties": {
-                "model": {"type": "string", "minLength": 1, "default": settings.CEILING_MODEL_NAME},
+                "model": {
+                    "type": "string", "minLength": 1, "default": settings.CEILING_MODEL_NAME,
+                    "examples": [settings.CEILING_MODEL_NAME],
+                    "description": "a name GET /v1/models lists: the served model (the default feature) or a feature's alias; "
+                    "anything else is a 404 model_not_found unless \"feature\" is sent",
+                },
                 "messages": {
                     "type": "array",
                     "minItems": 1,
@@ -99,6 +106,7 @@ def _schemas() -> dict:
                 "stream": {"type": "boolean", "default": False},
                 "feature": {"type": "string", "minLength": 1, "default": "chat", "description": "Ceiling's feature (budget) name"},
                 "loop_id": {"type": "string", "minLength": 1, "maxLength": 64, "description": "counts calls and spend against a loop budget"},
+                **_generation_params(),
             },
             "description": f"The whole body is at most {settings.CEILING_MAX_FRAME_BYTES} bytes (else 413). Other OpenAI "
             "fields are accepted and ignored.",
@@ -135,9 +143,14 @@ def _schemas() -> dict:
                             "message": {
                                 "type": "object",
                                 "required": ["role", "content"],
-                                "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                                "properties": {
+                                    "role": {"const": "assistant"},
+                                    "content": {"type": ["string", "null"], "description": "null beside a remote's tool calls"},
+                                    "tool_calls": {"type": "array", "items": {"type": "object"}},
+                                },
                             },
-                            "finish_reason": {"type": "string", "description": "stop, length or cancelled"},
+                            "logprobs": {"type": ["object", "null"]},
+                            "finish_reason": {"type": "string", "description": "stop, length, cancelled or tool_calls"},
                         },
                     },
                 },
@@ -164,7 +177,10 @@ def _schemas() -> dict:
                     "items": {
                         "type": "object",
                         "required": ["id", "object", "owned_by"],
-                        "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "owned_by": {"type": "string"}},
+                        "properties": {
+                            "id": {"type": "string"}, "object": {"const": "model"}, "owned_by": {"type": "string"},
+                            "feature": {"type": "string", "description": "the Ceiling feature this name selects"},
+                        },
                     },
                 },
             },
@@ -199,14 +215,59 @@ def _error_responses() -> dict:
         "BadRequest": error("the body is not a valid request, the feature is unknown, or the prompt is over the input limit"),
         "Unauthorized": error("no API key, or an unknown or revoked one", {"WWW-Authenticate": {"schema": {"type": "string"}}}),
         "FeatureDisabled": error("the feature is switched off"),
+        "ModelNotFound": error("no feature answers to this model name (and no \"feature\" was sent)"),
         "MethodNotAllowed": error("wrong HTTP method"),
         "TooLarge": error(f"the body is over {settings.CEILING_MAX_FRAME_BYTES} bytes; refused before it is read"),
         "Refused": error(
             "refused by the budget guard (a cap or a spend limit)",
-            {"Retry-After": {"schema": {"type": "string"}, "description": "seconds, when waiting helps"}},
+            {"Retry-After": {"schema": {"type": "string"}, "description": "seconds, when waiting helps"}, **RATE_LIMIT_HEADERS},
         ),
-        "BadModelOutput": error("an extract feature's model answer was not the JSON object asked for"),
+        "BadModelOutput": error("the model's answer was not the JSON object an extract feature or response_format asked for, "
+                                "or broke the response_format's schema"),
         "Unavailable": error("the guard or the engine is unavailable; try again"),
+    }
+
+
+def _rate_limit_header(description: str) -> dict:
+    return {"schema": {"type": "string"}, "description": description}
+
+
+# Sent when a cap on requests (or tokens) applies to the caller: the tightest one (inference/web/ratelimits.py).
+RATE_LIMIT_HEADERS = {
+    f"x-ratelimit-{what}-{metric}": _rate_limit_header(text.format(metric=metric))
+    for metric in ("requests", "tokens")
+    for what, text in (("limit", "the tightest cap's {metric}"), ("remaining", "{metric} left under it"),
+                       ("reset", "when it resets, e.g. 6m0s"))
+}
+
+
+def _generation_params() -> dict:
+    """OpenAI's sampling and shaping fields with OpenAI's ranges (inference/web/params.py enforces them)."""
+    from .web.params import MAX_END_USER_CHARS, MAX_STOPS, MAX_TOOLS, MAX_TOP_LOGPROBS, RANGES
+
+    def number(name: str) -> dict:
+        low, high = RANGES[name]
+        return {"type": "number", "minimum": low, "maximum": high}
+
+    stop = {"type": "string", "minLength": 1}
+    return {
+        "temperature": {**number("temperature"), "description": "absent: 0 (greedy), unlike OpenAI's 1"},
+        "top_p": number("top_p"),
+        "seed": {"type": "integer", "description": "makes a sampled answer reproducible"},
+        "stop": {"oneOf": [stop, {"type": "array", "minItems": 1, "maxItems": MAX_STOPS, "items": stop}]},
+        "presence_penalty": number("presence_penalty"),
+        "frequency_penalty": number("frequency_penalty"),
+        "n": {"type": "integer", "minimum": 1, "maximum": 1, "description": "one choice per request"},
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS, "description": "needs logprobs true"},
+        "response_format": {
+            "type": "object", "required": ["type"],
+            "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}, "json_schema": {"type": "object"}},
+        },
+        "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": {"type": "object"},
+                  "description": "remote providers only; the local engine answers 400 tools_unsupported"},
+        "tool_choice": {"description": "none, auto, required or a named function; with tools only"},
+        "user": {"type": "string", "maxLength": MAX_END_USER_CHARS, "description": "your id for the end user, kept beside the ledger row"},
     }
 
 

@@ -255,3 +255,104 @@ def test_a_remote_that_reports_no_usage_is_counted_by_its_chunks(live_stack, ali
     assert body["stream_options"] == {"include_usage": True}
     assert body["messages"] == [{"role": "user", "content": "Capital of France?"}]
     assert headers["Authorization"] == f"Bearer {REMOTE_KEY}"
+
+
+# --- OpenAI's parameters pass through to the remote (#20) -------------------------------------------
+
+
+def api_client(live_stack, user, key: str | None = None):
+    from openai import OpenAI
+
+    from accounts.actions import do_create_api_key
+
+    key = key or do_create_api_key(user, "tests")[1]
+    return OpenAI(base_url=f"{live_stack.http_url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+STORY = [{"role": "user", "content": "Write a short story about a fox who finds a key in the forest."}]
+
+
+def test_sampling_parameters_reach_the_remote_and_its_seeded_answer_is_the_direct_one(
+    live_stack, alice, bob, bobs_key, chat_feature
+):
+    remote_feature(f"{live_stack.http_url}/v1")
+    sampled = {"temperature": 1.2, "seed": 5, "top_p": 0.95, "presence_penalty": 0.3, "frequency_penalty": 0.2}
+
+    through = api_client(live_stack, alice).chat.completions.create(
+        model=MODEL, messages=STORY, max_tokens=16, stop=["zzzz"], extra_body={"feature": "remote-chat", **sampled},
+    )
+    direct = api_client(live_stack, bob, REMOTE_KEY).chat.completions.create(model=MODEL, messages=STORY, max_tokens=16, **sampled)
+
+    assert through.choices[0].message.content == direct.choices[0].message.content
+    greedy = api_client(live_stack, bob, REMOTE_KEY).chat.completions.create(model=MODEL, messages=STORY, max_tokens=16)
+    assert greedy.choices[0].message.content != direct.choices[0].message.content  # the sampling did something
+    # The serving side stored what the remote engine was asked for.
+    first_served = TokenLog.objects.filter(user=bob).order_by("created_at").first()
+    assert first_served.transcript.params == {**sampled, "stop": ["zzzz"]}
+
+
+class ToolServer(TerseServer):
+    """A remote that answers with a tool call, streamed in pieces as OpenAI streams one, with logprobs."""
+
+    DELTAS = [
+        {"index": 0, "id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": ""}},
+        {"index": 0, "function": {"arguments": '{"city": '}},
+        {"index": 0, "function": {"arguments": '"Paris"}'}},
+    ]
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        TerseServer.received.append((self.path, body, dict(self.headers)))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        logprob = {"token": "Hm", "logprob": -0.25, "bytes": [72, 109], "top_logprobs": []}
+        chunks = [{"choices": [{"index": 0, "delta": {"content": "Hm"}, "logprobs": {"content": [logprob]}}]}]
+        chunks += [{"choices": [{"index": 0, "delta": {"tool_calls": [delta]}}]} for delta in self.DELTAS]
+        chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+        chunks.append({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 9}})
+        for chunk in chunks:
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+
+@pytest.fixture
+def tool_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ToolServer)
+    TerseServer.received = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+def test_tools_go_to_the_remote_and_its_tool_calls_come_back_unchanged(live_stack, alice, tool_server):
+    remote_feature(tool_server)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    client = api_client(live_stack, alice)
+
+    completion = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=32, tools=[tool],
+        tool_choice="auto", logprobs=True, top_logprobs=0, user="end-user-1", extra_body={"feature": "remote-chat"},
+    )
+
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [call.model_dump() for call in choice.message.tool_calls] == [
+        {"id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    ]
+    assert choice.message.content == "Hm" and [e.logprob for e in choice.logprobs.content] == [-0.25]
+    row = TokenLog.objects.get(request_id=completion.id.removeprefix("chatcmpl-"))
+    assert row.finish_reason == "tool_calls" and (row.prompt_tokens, row.completion_tokens) == (11, 9)
+    [(_, body, _)] = TerseServer.received
+    assert body["tools"] == [tool] and body["tool_choice"] == "auto"
+    assert body["logprobs"] is True and body.get("top_logprobs", 0) == 0
+    assert "user" not in body  # the end user's id stays here, beside the ledger row
+
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=32, tools=[tool],
+        stream=True, extra_body={"feature": "remote-chat"},
+    )
+    calls = [c.choices[0].delta.tool_calls for c in stream if c.choices and c.choices[0].delta.tool_calls]
+    assert [[call.function.arguments for call in group] for group in calls] == [['{"city": "Paris"}']]

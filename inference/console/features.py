@@ -8,6 +8,7 @@ of inference. The list of features and every other staff page stay in budgets/vi
 from __future__ import annotations
 
 from django.contrib import messages
+from django.db import IntegrityError
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 
@@ -16,7 +17,8 @@ from budgets.forms import FeatureForm
 from budgets.models import Feature
 from budgets.permissions import staff_required
 from budgets.views.config import FEATURE_FIELDS, flash_saved
-from inference.actions import SwitchRefused, do_switch_quantization, evaluation_refusal
+from inference.actions import SwitchRefused, do_set_model_aliases, do_switch_quantization, evaluation_refusal
+from inference.console.forms import ModelAliasesForm
 from inference.models import QuantizationEvaluation
 
 
@@ -25,14 +27,34 @@ def feature_detail(request: HttpRequest, feature_id: int) -> HttpResponse:
     feature = get_object_or_404(Feature.objects.select_related("provider"), pk=feature_id)
     if request.method == "POST" and request.POST.get("form") == "quantization":
         return _switch_quantization(request, feature)
+    aliases_form = ModelAliasesForm(feature=feature)
+    if request.method == "POST" and request.POST.get("form") == "aliases":
+        aliases_form = ModelAliasesForm(request.POST, feature=feature)
+        if aliases_form.is_valid() and _set_aliases(request, feature, aliases_form):
+            return redirect("staff-feature", feature.pk)
+        form = FeatureForm(instance=feature)
+        context = {"feature": feature, "name": feature.name, "form": form, "aliases_form": aliases_form}
+        return render(request, "inference/feature_detail.html", context | _quantization_context(feature))
     before = snapshot(feature, FEATURE_FIELDS)  # the form writes into the instance while validating
     form = FeatureForm(request.POST if request.method == "POST" else None, instance=feature)
     if form.is_bound and form.is_valid():
         entries = do_save_with_audit(request.user, feature, FEATURE_FIELDS, before, target=f"feature {feature.name}")
         flash_saved(request, len(entries))
         return redirect("staff-feature", feature.pk)
-    context = {"feature": feature, "name": before["name"], "form": form} | _quantization_context(feature)
+    context = {"feature": feature, "name": before["name"], "form": form, "aliases_form": aliases_form}
+    context |= _quantization_context(feature)
     return render(request, "inference/feature_detail.html", context)
+
+
+def _set_aliases(request: HttpRequest, feature: Feature, form: ModelAliasesForm) -> bool:
+    """Save the aliases; False (with the form's error) when another feature took one meanwhile."""
+    try:
+        entry = do_set_model_aliases(request.user, feature, form.cleaned_data["aliases"])
+    except IntegrityError:
+        form.add_error("aliases", "Another feature took one of these aliases just now; an alias belongs to one feature.")
+        return False
+    flash_saved(request, 1 if entry else 0)
+    return True
 
 
 def _quantization_context(feature: Feature) -> dict:

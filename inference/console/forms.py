@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import re
+
 from django import forms
 from django.conf import settings
 from django.contrib.auth import get_user_model
 
 from budgets.models import Feature
+from inference.models import ModelAlias
 
 MAX_ITEMS = 1000
+MAX_ALIASES = 20
+ALIAS_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,99}$")  # what OpenAI model ids look like
 MAX_INPUT_CHARS = 20_000
 
 
@@ -50,3 +55,35 @@ class BatchForm(forms.Form):
             if len(line) > MAX_INPUT_CHARS:
                 raise forms.ValidationError(f"Input {number} is longer than {MAX_INPUT_CHARS:,} characters.")
         return lines
+
+
+class ModelAliasesForm(forms.Form):
+    """The model names that route an API request to one feature: `"model": "<alias>"` selects it."""
+
+    aliases = forms.CharField(
+        label="Model aliases", required=False, max_length=2000,
+        help_text="Model names API clients may send as \"model\" to reach this feature, separated by commas or "
+                  "spaces (e.g. support-bot, gpt-4o-mini). Each name belongs to one feature; empty removes them all.",
+    )
+
+    def __init__(self, *args, feature: Feature, **kwargs) -> None:
+        self.feature = feature
+        kwargs.setdefault("initial", {"aliases": ", ".join(feature.model_aliases.values_list("name", flat=True))})
+        super().__init__(*args, **kwargs)
+
+    def clean_aliases(self) -> list[str]:
+        # In the order given, each once.
+        names = list(dict.fromkeys(n for n in re.split(r"[,\s]+", self.cleaned_data["aliases"]) if n))
+        if len(names) > MAX_ALIASES:
+            raise forms.ValidationError(f"{len(names)} aliases is too many for one feature; the limit is {MAX_ALIASES}.")
+        for name in names:
+            if not ALIAS_PATTERN.match(name):
+                raise forms.ValidationError(
+                    f"{name!r} is not a model name: use letters, digits and . _ : / - (at most 100 characters).")
+            if name == settings.CEILING_MODEL_NAME:
+                raise forms.ValidationError(
+                    f"{name!r} is the served model's own name; it always selects the default feature, \"chat\".")
+        taken = ModelAlias.objects.filter(name__in=names).exclude(feature=self.feature).select_related("feature")
+        for alias in taken:
+            raise forms.ValidationError(f"{alias.name!r} already routes to the feature {alias.feature.name!r}; an alias belongs to one feature.")
+        return names

@@ -38,7 +38,7 @@ from django.db import DatabaseError
 
 from budgets.actions import do_log_cache_hit, do_log_refusal
 from budgets.guard import Decision, LoopLimits
-from budgets.models import Feature, TokenLog, unique_row
+from budgets.models import Feature, Provider, TokenLog, unique_row
 from inference.actions import do_admit_request, do_finish_request, settle_reservation
 from inference.bus.cancel import arequest_cancel
 from inference.bus.inbox import stream_inbox
@@ -86,9 +86,17 @@ async def _admit_and_stream(request_id: str, user: AbstractBaseUser, frame: Chat
     if feature.mode == Feature.Mode.BATCH:
         yield {"type": "error", "code": "batch_only", "message": modes.batch_only_message(feature.name)}
         return
+    if frame.params.tools and not is_remote(feature):
+        yield {"type": "error", "code": "tools_unsupported", "message": modes.tools_unsupported_message(feature.name)}
+        return
     if feature.mode == Feature.Mode.EXTRACT:
         frame = replace(frame, messages=modes.extract_messages(frame.messages))
         events = _answer_once(_answer(request_id, user, feature, frame))
+    elif frame.params.json_mode:
+        # response_format: the extract mode's JSON guarantee, and the schema checked when one is given.
+        schema = frame.params.json_schema
+        frame = replace(frame, messages=modes.schema_messages(frame.messages, schema))
+        events = _answer_once(_answer(request_id, user, feature, frame), schema)
     else:
         events = _answer(request_id, user, feature, frame)
     async with aclosing(events):
@@ -96,8 +104,15 @@ async def _admit_and_stream(request_id: str, user: AbstractBaseUser, frame: Chat
             yield event
 
 
-async def _answer_once(events: AsyncIterator[dict]) -> AsyncIterator[dict]:
-    """An extract feature's events: tokens collected, not sent; `done` carries the parsed JSON object."""
+def is_remote(feature: Feature) -> bool:
+    return feature.provider is not None and feature.provider.kind == Provider.Kind.OPENAI_COMPATIBLE
+
+
+async def _answer_once(events: AsyncIterator[dict], schema: dict | None = None) -> AsyncIterator[dict]:
+    """An extract feature's events: tokens collected, not sent; `done` carries the parsed JSON object.
+
+    With a schema (response_format json_schema) the object must also hold to it, else `invalid_json`.
+    """
     parts: list[str] = []
     async with aclosing(events):
         async for event in events:
@@ -106,7 +121,7 @@ async def _answer_once(events: AsyncIterator[dict]) -> AsyncIterator[dict]:
                 continue
             if event["type"] == "done":
                 try:
-                    event = {**event, "result": modes.extract_json("".join(parts))}
+                    event = {**event, "result": modes.check_schema(modes.extract_json("".join(parts)), schema)}
                 except modes.InvalidJSON as exc:
                     # The request itself succeeded and stays in the ledger with the tokens it used.
                     used = event["usage"]["completion_tokens"]
@@ -120,7 +135,9 @@ async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, fra
         yield refusal
         return
     max_tokens = min(frame.max_tokens, feature.max_output_tokens)
-    key = caches.cache_key(feature, user, model_name(feature), max_tokens, frame.messages) if feature.cache_ttl_s else None
+    # A sampled or shaped answer is not the one a cache holds for these messages.
+    cacheable = feature.cache_ttl_s and frame.params.cacheable
+    key = caches.cache_key(feature, user, model_name(feature), max_tokens, frame.messages) if cacheable else None
     if key is not None:
         hit = await sync_to_async(caches.lookup, thread_sensitive=False)(feature, key)
         if hit is not None:
@@ -133,7 +150,7 @@ async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, fra
     ended = False  # nothing left to stop: the worker finished it, or the guard refused it
     try:
         loop = LoopLimits(frame.loop_id, settings.CEILING_LOOP_MAX_CALLS, settings.CEILING_LOOP_MAX_COST_MICRO_USD) if frame.loop_id else None
-        decision = await _admit_shielded(request_id, user, feature, frame.messages, prompt_ids, max_tokens, loop)
+        decision = await _admit_shielded(request_id, user, feature, frame, prompt_ids, max_tokens, loop)
         if not decision.admitted:
             ended = True
             yield {"type": "refused", "code": decision.code, "message": decision.message, "retry_after_s": decision.retry_after_s}
@@ -178,13 +195,13 @@ async def _check_before_guard(
     return prompt_ids, None
 
 
-async def _admit_shielded(request_id, user, feature, messages, prompt_ids, max_tokens, loop) -> Decision:
+async def _admit_shielded(request_id, user, feature, frame, prompt_ids, max_tokens, loop) -> Decision:
     """Ask the guard; if our caller goes away meanwhile, an admitted request is closed as cancelled.
 
     The guard runs in a thread that cancelling cannot stop, so without this a request admitted just
     after its client left would hold its reservation until reconciliation fails it.
     """
-    admission = asyncio.ensure_future(admit_request(request_id, user, feature, messages, prompt_ids, max_tokens, loop))
+    admission = asyncio.ensure_future(admit_request(request_id, user, feature, frame, prompt_ids, max_tokens, loop))
     try:
         return await asyncio.shield(admission)
     except asyncio.CancelledError:
@@ -344,16 +361,18 @@ def get_feature(name: str) -> Feature | None:
 # the guard is built for concurrent admissions (tests/test_guard*.py), and 64 chats arriving together
 # otherwise queue one behind another for their ~12 ledger queries each.
 @partial(database_sync_to_async, thread_sensitive=False)
-def admit_request(request_id, user, feature, messages, prompt_ids, max_tokens, loop) -> Decision:
+def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, max_tokens, loop) -> Decision:
     return do_admit_request(
         request_id=request_id,
         user=user,
         feature=feature,
         model=model_name(feature),
-        messages=messages,
+        messages=frame.messages,
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
         loop=loop,
+        params=frame.params.stored(),
+        end_user=frame.params.end_user,
     )
 
 

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
+from .params import DEFAULT, GenerationParams
+
 ROLES = ("system", "user", "assistant")
+DEFAULT_FEATURE = "chat"  # a chat frame without "feature", and the API's served model name, select it
 
 
 class FrameError(ValueError):
@@ -25,6 +28,8 @@ class ChatFrame:
     messages: list[dict]
     max_tokens: int
     loop_id: str | None = None
+    # OpenAI's sampling and shaping parameters; only the HTTP API sets them (the chat page is greedy).
+    params: GenerationParams = DEFAULT
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,7 @@ def parse_frame(text: str | None) -> ChatFrame | CancelFrame:
 
 def parse_chat(data: dict) -> ChatFrame:
     """The fields of a chat request (also the body of POST /v1/chat/completions), validated."""
-    feature = data.get("feature", "chat")
+    feature = data.get("feature", DEFAULT_FEATURE)
     if not isinstance(feature, str) or not feature or not storable(feature):
         raise FrameError("bad_feature", "\"feature\" must be the name of a feature, such as \"chat\".")
     loop_id = data.get("loop_id")

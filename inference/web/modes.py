@@ -34,6 +34,31 @@ def extract_messages(messages: list[dict]) -> list[dict]:
     return [{"role": "system", "content": EXTRACT_SYSTEM_PROMPT}, *messages]
 
 
+def schema_messages(messages: list[dict], schema: dict | None) -> list[dict]:
+    """The JSON-only instruction for a response_format request, with the schema the object must follow."""
+    messages = extract_messages(messages)
+    if not schema:
+        return messages
+    # Right after the JSON-only instruction, before the client's own system prompt (if any).
+    instruction, _, rest = messages[0]["content"].partition("\n\n")
+    schema_text = f"The object follows this JSON Schema: {json.dumps(schema, separators=(',', ':'))}"
+    content = "\n\n".join(part for part in (instruction, schema_text, rest) if part)
+    return [{"role": "system", "content": content}, *messages[1:]]
+
+
+def check_schema(value: dict, schema: dict | None) -> dict:
+    """The object when it holds to the schema; else InvalidJSON saying where it does not."""
+    if not schema:
+        return value
+    import jsonschema_rs
+
+    error = next(iter(jsonschema_rs.validator_for(schema).iter_errors(value)), None)
+    if error is None:
+        return value
+    where = "/".join(str(part) for part in error.instance_path) or "the top level"
+    raise InvalidJSON(f"The model's JSON does not match the requested schema (at {where}: {error.message}).")
+
+
 def extract_json(text: str) -> dict:
     """The JSON object in a model's answer: the whole answer, a fenced block, or the first {...} in it.
 
@@ -79,3 +104,8 @@ def _invalid_message(text: str) -> str:
 
 def batch_only_message(feature_name: str) -> str:
     return f"The feature {feature_name!r} runs as a batch job; staff start it from the dashboard."
+
+
+def tools_unsupported_message(feature_name: str) -> str:
+    return (f"The feature {feature_name!r} runs on the local engine, which does not call tools; "
+            "tools work with features served by a remote OpenAI-compatible provider.")

@@ -38,19 +38,23 @@ class FrameBuffer:
         self.interval = interval
         self.text = ""
         self.tokens = 0  # generated since the last frame, including ids the decoder still holds back
+        self.logprobs: list = []  # OpenAI logprobs entries of those tokens, when the request asked
         self.sent_any = False
+        self.taken_logprobs: list = []  # those of the text the last take() returned
 
-    def add(self, piece: str, tokens: int) -> str:
-        """What to send now ("" to hold it back for now)."""
+    def add(self, piece: str, tokens: int, logprobs: list | None = None) -> str:
+        """What to send now ("" to hold it back for now); its tokens' logprobs are in taken_logprobs."""
         self.text += piece
         self.tokens += tokens
+        self.logprobs.extend(logprobs or ())
         if not self.text or (self.sent_any and self.tokens < self.interval):
             return ""
         return self.take()
 
     def take(self) -> str:
         """Everything held back (the end of the answer goes out whatever the interval)."""
-        text, self.text, self.tokens = self.text, "", 0
+        text, self.taken_logprobs = self.text, self.logprobs
+        self.text, self.tokens, self.logprobs = "", 0, []
         self.sent_any = self.sent_any or bool(text)
         return text
 
@@ -116,7 +120,7 @@ class TokenStream:
         self._lock = threading.Lock()  # the pump's on_text against the task thread's close
         self._closed = False
 
-    def on_text(self, piece: str, new_tokens: int, tokens_so_far: int) -> None:
+    def on_text(self, piece: str, new_tokens: int, tokens_so_far: int, logprobs: list | None = None) -> None:
         """Count the new tokens and send what is due (in the engine's pump thread, or the task's)."""
         with self._lock:
             if self._closed:
@@ -124,9 +128,9 @@ class TokenStream:
             if new_tokens and self.ttft_ms is None:
                 self.ttft_ms = _ms_since(self.log_row.created_at)
             self.tokens_so_far = tokens_so_far
-            text = self.frames.add(piece, new_tokens)
+            text = self.frames.add(piece, new_tokens, logprobs)
             if text:
-                self._send(text)
+                self._send(text, self.frames.taken_logprobs)
 
     def close(self) -> None:
         """In the task thread, after the end: send what was held back; nothing is sent after this."""
@@ -134,13 +138,15 @@ class TokenStream:
             self._closed = True
             rest = self.frames.take()
             if rest:
-                self._send(rest)
+                self._send(rest, self.frames.taken_logprobs)
 
-    def _send(self, text: str) -> None:
+    def _send(self, text: str, logprobs: list) -> None:
         # Its progress is recorded before it is sent: if this worker dies, the ledger counts every
         # token a user saw. The hand-over does not wait; _finish's frame goes out after it.
         request_id = self.log_row.request_id
         token = {"type": "chat.token", "request_id": request_id, "text": text, "seq": self.seq}
+        if logprobs:
+            token["logprobs"] = logprobs  # only API requests that asked for them
         self.sender.send_frame(self.reply_to, request_id, token, tokens_streamed=self.tokens_so_far)
         self.seq += 1
 
@@ -185,6 +191,8 @@ def _finish(log_row: TokenLog, reply_to: str, outcome: Outcome, ttft_ms: int | N
             # is at-most-once) and fetches the stored transcript instead.
             "frames": frames,
         }
+        if outcome.tool_calls:
+            message["tool_calls"] = outcome.tool_calls  # a remote's, passed on as it sent them
     sender.send_frame(reply_to, settled.request_id, message, wait=True)
 
 

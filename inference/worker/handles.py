@@ -2,7 +2,7 @@
 
     generation = open_generation(log_row)      # LocalGeneration or RemoteGeneration
     with running(generation):                  # the one cancel registry of this worker process
-        generation.start(on_text)              # on_text(piece, new_tokens, tokens_so_far), any thread
+        generation.start(on_text)              # on_text(piece, new_tokens, tokens_so_far, logprobs), any thread
         outcome = generation.wait()            # the end, under the engine's idle and total limits
 
 The worker's cancel listener calls cancel(request_id) for every broadcast cancel; whichever kind of
@@ -23,16 +23,18 @@ from typing import Protocol
 from django.conf import settings
 
 from budgets.models import Provider, TokenLog
-from inference.engine import FINISH_CANCELLED, FINISH_ERROR, EngineError
+from inference.engine import FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, EngineError, Sampling
 from inference.engine.detokenizer import IncrementalDecoder
 from inference.engines import get_engine
 from inference.worker import remote
+from inference.worker.stops import StopMatcher
 
 log = logging.getLogger(__name__)
 
-# on_text(piece, new_tokens, tokens_so_far): the text the new tokens added ("" while a character is
-# incomplete), how many tokens that was, and how many the answer has now (what the user has seen).
-OnText = Callable[[str, int, int], None]
+# on_text(piece, new_tokens, tokens_so_far, logprobs): the text the new tokens added ("" while a
+# character is incomplete), how many tokens that was, how many the answer has now (what the user has
+# seen), and, when the request asked for them, OpenAI's logprobs entries of those tokens (else None).
+OnText = Callable[[str, int, int, list | None], None]
 
 
 class GenerationError(RuntimeError):
@@ -49,6 +51,7 @@ class Outcome:
     completion_ids: list[int] = field(default_factory=list)
     prompt_tokens: int | None = None  # a remote's own count of the prompt (tokenizers differ)
     completion_tokens: int | None = None  # a remote's own count of the answer
+    tool_calls: list | None = None  # a remote's tool calls, as it sent them (finish_reason "tool_calls")
 
 
 class Generation(Protocol):
@@ -112,32 +115,84 @@ class LocalGeneration:
         self.prompt_ids = log_row.transcript.prompt_ids
         self.max_tokens = log_row.max_tokens
         self.variant = log_row.feature.quantization if log_row.feature else None
+        self.params = log_row.transcript.params or {}
         self.engine = None
         self.handle = None
         self.decoder: IncrementalDecoder | None = None
+        # Stop strings are matched here, on the text, not in the engine (which sees token ids only).
+        self.stops = StopMatcher(self.params["stop"]) if self.params.get("stop") else None
+        self.on_text: OnText | None = None
 
     def start(self, on_text: OnText) -> None:
         try:
+            sampling = sampling_of(self.params)
             # A worker loads a weight variant at the first request that needs it.
             self.engine = get_engine(self.variant)
-            self.decoder = decoder = IncrementalDecoder(self.engine.tokenizer)
-
-            def on_event(event) -> None:
-                if event.new_tokens:
-                    on_text(decoder.push(event.new_tokens), len(event.new_tokens), len(decoder.ids))
-
+            self.decoder = IncrementalDecoder(self.engine.tokenizer)
+            self.on_text = on_text
             self.handle = self.engine.submit(self.request_id, self.prompt_ids, self.max_tokens,
-                                             ignore_eos=settings.CEILING_IGNORE_EOS, listener=on_event)
+                                             ignore_eos=settings.CEILING_IGNORE_EOS, listener=self._on_event,
+                                             sampling=sampling)
         except EngineError as exc:
             raise GenerationError(str(exc)) from exc
 
+    def _on_event(self, event) -> None:
+        """In the engine's pump thread: the step's new tokens → text (cut at a stop string) → on_text."""
+        if not event.new_tokens or (self.stops is not None and self.stops.stopped):
+            return  # after a stop string, the steps before the cancel lands are not the answer's
+        piece = self.decoder.push(event.new_tokens)
+        logprobs = openai_logprobs(self.engine.tokenizer, event.new_tokens, event.new_logprobs)
+        if self.stops is not None:
+            piece = self.stops.feed(piece)
+            if self.stops.stopped:
+                self.engine.cancel(self.request_id)  # no more steps for it; its end arrives as cancelled
+        self.on_text(piece, len(event.new_tokens), len(self.decoder.ids), logprobs)
+
     def wait(self) -> Outcome:
         finish_reason, error = wait_for_the_end(self.engine, self.handle)
-        return Outcome(finish_reason, error, text=self.decoder.text(), completion_ids=self.handle.tokens)
+        text = self.decoder.text()
+        if self.stops is not None:
+            if self.stops.stopped:
+                finish_reason, error = FINISH_STOP, ""  # our own cancel, for the stop string
+            else:
+                rest = self.stops.flush()  # held back as a maybe-stop; it was not one
+                if rest:
+                    self.on_text(rest, 0, len(self.decoder.ids), None)
+            text = self.stops.released
+        return Outcome(finish_reason, error, text=text, completion_ids=self.handle.tokens)
 
     def cancel(self) -> None:
         if self.engine is not None:
             self.engine.cancel(self.request_id)
+
+
+def sampling_of(params: dict) -> Sampling:
+    """The engine's Sampling from a request's stored params (validated already by the API)."""
+    return Sampling(
+        temperature=params.get("temperature", 0.0),
+        top_p=params.get("top_p", 1.0),
+        seed=params.get("seed"),
+        presence_penalty=params.get("presence_penalty", 0.0),
+        frequency_penalty=params.get("frequency_penalty", 0.0),
+        logprobs=bool(params.get("logprobs")),
+        top_logprobs=params.get("top_logprobs") or 0,
+    )
+
+
+def openai_logprobs(tokenizer, token_ids: list[int], entries: list | None) -> list | None:
+    """The engine's (logprob, [(id, logprob), …]) per token as OpenAI's logprobs.content entries."""
+    if not entries:
+        return None
+    return [
+        {**_token_entry(tokenizer, token_id, logprob),
+         "top_logprobs": [_token_entry(tokenizer, other, other_logprob) for other, other_logprob in top]}
+        for token_id, (logprob, top) in zip(token_ids, entries, strict=False)
+    ]
+
+
+def _token_entry(tokenizer, token_id: int, logprob: float) -> dict:
+    text = tokenizer.decode([token_id])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
 
 
 def wait_for_the_end(engine, handle) -> tuple[str, str]:
@@ -182,7 +237,8 @@ class RemoteGeneration:
     def start(self, on_text: OnText) -> None:
         row = self.log_row
         try:
-            self.stream = remote.open_stream(row.request_id, row.provider, row.model, row.transcript.messages, row.max_tokens)
+            self.stream = remote.open_stream(row.request_id, row.provider, row.model, row.transcript.messages, row.max_tokens,
+                                             params=row.transcript.params)
         except remote.RemoteConfigError as exc:
             raise GenerationError(str(exc)) from exc
         self.on_text = on_text
@@ -194,9 +250,9 @@ class RemoteGeneration:
         pieces = 0  # the remote's own count comes at the end; until then, one token per piece shown
         try:
             for event in stream.events(settings.CEILING_ENGINE_FIRST_TOKEN_S, settings.CEILING_ENGINE_DEADLINE_S):
-                if event.text:
+                if event.text or event.logprobs:
                     pieces += 1
-                    self.on_text(event.text, 1, pieces)
+                    self.on_text(event.text, 1, pieces, event.logprobs)
                 if event.finished:
                     finish_reason, error = event.finish_reason, event.error or ""
                     break
@@ -204,7 +260,7 @@ class RemoteGeneration:
             stream.stop.set()  # the reader hangs up, so the remote stops generating
         # Tokenizers differ: the guard admitted on our count of the prompt; the ledger keeps the remote's.
         return Outcome(finish_reason, error, text=stream.text, prompt_tokens=stream.prompt_tokens,
-                       completion_tokens=stream.completion_tokens)
+                       completion_tokens=stream.completion_tokens, tool_calls=stream.tool_calls())
 
     def cancel(self) -> None:
         if self.stream is not None:

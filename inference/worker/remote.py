@@ -43,6 +43,13 @@ from inference.engine import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINI
 
 log = logging.getLogger(__name__)
 
+# The request fields a client's completion may carry on to the remote server, unchanged.
+PASSED_THROUGH = (
+    "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+    "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
+)
+REMOTE_FINISH = {"length": FINISH_LENGTH, "tool_calls": "tool_calls"}  # anything else ended it as a stop
+
 CONNECT_TIMEOUT_S = 5.0
 CANCEL_POLL_S = 0.25  # how often events() looks at the cancel key in Redis while it waits
 ERROR_DETAIL_CHARS = 200
@@ -56,6 +63,7 @@ class RemoteEvent:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list | None = None  # the remote's logprobs.content entries of this piece, as it sent them
 
 
 class RemoteConfigError(RuntimeError):
@@ -81,7 +89,13 @@ class RemoteStream:
         self.reported_completion_tokens: int | None = None
         self.chunks = 0  # text chunks received: the count when the remote reports no usage
         self.text = ""
+        # Tool calls by index, merged from the remote's deltas (the reader writes them before the end).
+        self._tool_calls: dict[int, dict] = {}
         self._reader: threading.Thread | None = None
+
+    def tool_calls(self) -> list | None:
+        """The remote's tool calls, whole and in order, as its deltas built them; None when it made none."""
+        return [self._tool_calls[index] for index in sorted(self._tool_calls)] or None
 
     @property
     def completion_tokens(self) -> int:
@@ -128,8 +142,9 @@ class RemoteStream:
                 if item is _READER_DONE:  # the reader always sends an end first; this is a safety net
                     yield _failed(f"{self.label} ended the stream without finishing the answer")
                     return
+                if not item.finished:
+                    first_seen = True  # a tool call's delta is progress too, though it has no text
                 if item.text:
-                    first_seen = True
                     self.text += item.text
                 yield item
                 if item.finished:
@@ -192,17 +207,36 @@ class RemoteStream:
             for choice in chunk.get("choices") or []:
                 if not isinstance(choice, dict):
                     continue
-                text = (choice.get("delta") or {}).get("content") or ""
-                if text:
+                delta = choice.get("delta") or {}
+                text = delta.get("content") or ""
+                logprobs = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+                if text or logprobs:
                     self.chunks += 1
-                    self.outputs.put(RemoteEvent(text))
+                    self.outputs.put(RemoteEvent(text, logprobs=logprobs or None))
+                if isinstance(delta.get("tool_calls"), list):
+                    self._merge_tool_calls(delta["tool_calls"])
+                    self.outputs.put(RemoteEvent(""))
                 if choice.get("finish_reason"):
-                    finish_reason = FINISH_LENGTH if choice["finish_reason"] == "length" else FINISH_STOP
+                    finish_reason = REMOTE_FINISH.get(choice["finish_reason"], FINISH_STOP)
         if self.stop.is_set():
             return None
         if finish_reason is not None:  # some servers close without [DONE]
             return RemoteEvent("", finished=True, finish_reason=finish_reason)
         return _failed(f"{self.label} closed the stream before the answer ended")
+
+    def _merge_tool_calls(self, deltas: list) -> None:
+        """OpenAI streams a tool call in pieces: id, type and name once, the arguments' text in parts."""
+        for delta in deltas:
+            if not isinstance(delta, dict):
+                continue
+            index = delta.get("index", len(self._tool_calls))
+            call = self._tool_calls.setdefault(index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+            for name in ("id", "type"):
+                if delta.get(name):
+                    call[name] = delta[name]
+            function = delta.get("function") or {}
+            call["function"]["name"] += function.get("name") or ""
+            call["function"]["arguments"] += function.get("arguments") or ""
 
     def _read_usage(self, usage: object) -> None:
         if not isinstance(usage, dict):
@@ -217,8 +251,9 @@ class RemoteStream:
 # --- opening a stream ----------------------------------------------------------------------------
 
 
-def open_stream(request_id: str, provider: Provider, model: str, messages: list[dict], max_tokens: int) -> RemoteStream:
-    """Build the request; start() sends it."""
+def open_stream(request_id: str, provider: Provider, model: str, messages: list[dict], max_tokens: int,
+                params: dict | None = None) -> RemoteStream:
+    """Build the request; start() sends it. `params`: the client's sampling and tool fields, passed on as given."""
     label = f"the remote provider {provider.name!r}"
     if not provider.base_url:
         raise RemoteConfigError(f"{label} has no base URL")
@@ -234,6 +269,7 @@ def open_stream(request_id: str, provider: Provider, model: str, messages: list[
         "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **{name: value for name, value in (params or {}).items() if name in PASSED_THROUGH},
     }
     return RemoteStream(request_id, provider.base_url.rstrip("/") + "/chat/completions", headers, body, label)
 
