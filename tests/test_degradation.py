@@ -75,7 +75,7 @@ def test_workers_down_the_http_client_gets_a_clear_error(stack_without_workers, 
     live, _ = stack_without_workers
     client = OpenAI(base_url=f"{live.http_url}/v1", api_key=do_create_api_key(alice, "t")[1], max_retries=0, timeout=30)
     with pytest.raises(APIStatusError) as failure:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hello?"}], max_tokens=8)
+        client.chat.completions.create(model=settings.CEILING_MODEL_NAME, messages=[{"role": "user", "content": "Hello?"}], max_tokens=8)
     assert failure.value.status_code in (503, 504)
     assert "within 3 s" in str(failure.value)
     row = TokenLog.objects.get(user=alice)

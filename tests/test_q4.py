@@ -20,6 +20,7 @@ from inference.engine.patches.quantization import (
     mode_of,
     pack_q4,
     q4_forward,
+    q8_forward,
     quantize_model,
     weights_memory_bytes,
 )
@@ -101,6 +102,22 @@ def test_steps_up_to_the_measured_rows_take_the_4_bit_route_and_longer_ones_fp32
         assert torch.equal(layer(x[:rows]), nn.functional.linear(x[:rows], weight))
 
 
+def test_the_lm_head_gets_an_int8_copy_with_a_scale_per_row_that_serves_the_measured_rows():
+    model = quantize_model(TinyDecoder(on_grid()), Q4)
+    head = model.lm_head
+    assert head.q8_weight.dtype == torch.int8 and head.q8_scales.shape == (16,)
+    x = bf16_exact(3, 96)
+    # Symmetric per-row int8: half a step (max |w| / 127) of rounding, plus the bf16 scale's own
+    # rounding (2⁻⁹ relative) times at most 127 codes: each weight within 0.75 of a step.
+    rebuilt = head.q8_weight.float() * head.q8_scales.float()[:, None]
+    step = head.weight.abs().amax(1, keepdim=True) / 127
+    assert ((rebuilt - head.weight).abs() <= 0.76 * step).all()
+    assert torch.equal(head(x), nn.functional.linear(x, head.weight))  # not measured yet: fp32
+    head.q4_max_rows = 4
+    torch.testing.assert_close(head(x), q8_forward(head, x))
+    torch.testing.assert_close(head(x), nn.functional.linear(x, head.weight), rtol=0.05, atol=0.05)
+
+
 def test_longer_steps_of_a_packed_layer_keep_their_skinny_route():
     weight = on_grid()
     model = quantize_model(TinyDecoder(weight), Q4)
@@ -129,12 +146,13 @@ def test_the_real_model_serves_its_own_4_bit_codes_in_the_engine():
     engine = Engine(replace(engine_config_from_settings(model_dir()), num_blocks=64, quantization=Q4))
     engine.load(progress=lambda _: None)
     packed = [m for m in engine.model.modules() if hasattr(m, "q4_weight")]
-    # 30 decoder layers × (q, k, v, o, gate, up, down); the tied lm_head stays fp32.
+    # 30 decoder layers × (q, k, v, o, gate, up, down); the tied lm_head gets an int8 copy instead.
     assert len(packed) == 210 and mode_of(engine.model) == Q4
+    assert hasattr(engine.model.lm_head, "q8_weight")
     assert engine.weights_bytes == weights_memory_bytes(engine.model)
-    # fp32 weights (513 MiB) stay for long steps; the 4-bit codes and bf16 scales add ~66 MiB.
-    assert 560 * 2**20 < engine.weights_bytes < 600 * 2**20
-    for layer in packed:  # force the 4-bit route whatever this machine measured, so this test exercises it
+    # fp32 weights (513 MiB) stay for long steps; the 4-bit codes and bf16 scales add ~66 MiB, the int8 lm_head 27 MiB.
+    assert 590 * 2**20 < engine.weights_bytes < 630 * 2**20
+    for layer in [*packed, engine.model.lm_head]:  # force the packed routes whatever this machine measured
         layer.q4_max_rows = 64
     engine.start()
     try:

@@ -84,9 +84,12 @@ class Engine:
         torch.set_num_threads(self.config.torch_threads)
         started = time.monotonic()
         progress(f"Loading tokenizer from {self.config.model_dir}…")
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.config.model_dir))
+        # The caller's thread (a worker's main thread) lives on: its torch work must not. The
+        # tokenizer too: on one Xeon, loading it here left an OpenMP team in the calling thread
+        # (counted in gdb) and a lone request's decode steps were ~40% slower (docs/engine.md;
+        # tests/test_engine_threads.py counts the teams a load leaves).
+        self.tokenizer = in_a_passing_thread(lambda: AutoTokenizer.from_pretrained(str(self.config.model_dir)))
         progress(f"Loading model weights ({self.config.device})…")
-        # The caller's thread (a worker's main thread) lives on: its torch work must not.
         in_a_passing_thread(lambda: self._load_model(progress))
         progress(
             f"Model loaded in {time.monotonic() - started:.1f} s "
