@@ -133,6 +133,18 @@ def test_a_spent_provider_limit_admits_the_fallback_and_the_row_names_both(alice
     assert cheap_state.reserved.cost_micro_usd == 0 and cheap_state.used.cost_micro_usd == 140 == cheap_used.cost_micro_usd
 
 
+def test_the_token_log_shows_which_feature_a_fallback_served(staff, alice, premium, basic):
+    spend_provider(premium.provider)
+    decision = admit(request(alice, premium, basic))
+    client = Client()
+    client.force_login(staff)
+
+    page = client.get(reverse("staff-logs")).content.decode()
+
+    row = page[page.index(decision.request_id):]
+    assert row[: row.index("</tr>")].count("basic <span class=\"muted fell-back\">(fallback of premium)</span>") == 1
+
+
 def test_a_request_that_fits_its_own_feature_does_not_fall_back(alice, premium, basic):
     decision = admit(request(alice, premium, basic))
     row = TokenLog.objects.get(request_id=decision.request_id)
