@@ -229,10 +229,9 @@ def admit(request: AdmissionRequest, now: datetime | None = None) -> Decision:
     """
     now = now or timezone.now()
     primary = candidate(request, request.feature, request.provider, request.model, request.max_tokens, now)
-    fallback = None
-    if request.fallback is not None:
-        fb = request.fallback
-        fallback = candidate(request, fb.feature, None, fb.model, fb.max_tokens, now)
+    # Its ceilings are read even when the primary will fit: one Lua call decides both, atomically.
+    offered = request.fallback
+    fallback = candidate(request, offered.feature, None, offered.model, offered.max_tokens, now) if offered else None
     row, created = _open_row(request, primary.provider, primary.price, primary.ceilings, now)
     if not created:
         return Decision(False, request.request_id, code="duplicate_request", message="This request was already submitted.")
