@@ -6,12 +6,14 @@ flushed, a new period, a new quota) is never treated as zero: the admit script a
 and the caller rebuilds it from the database first. So counters are a cache of the ledger.
 
 Admission is all-or-nothing across every ceiling that applies: the script checks them all, then
-reserves on all of them, in one atomic step on the Redis server.
+reserves on all of them, in one atomic step on the Redis server. A request may bring a second group
+of ceilings, its feature's fallback: when a cost limit of the first group says no (and none of its
+request or token limits does), the same step checks the fallback's and reserves on those instead.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis
 
@@ -29,10 +31,13 @@ local n = (#KEYS - 1) / 2
 local marker = KEYS[#KEYS]
 local marker_ttl = tonumber(ARGV[1])
 local prompt = tonumber(ARGV[2])
-local asked = tonumber(ARGV[3])
-local price_in = tonumber(ARGV[4])
-local price_out = tonumber(ARGV[5])
-local request_id = ARGV[6]
+local request_id = ARGV[3]
+-- A group: {first counter, last counter, tokens asked, price in, price out}. The first is the
+-- request's own feature; the second, when given, its fallback feature.
+local n1 = tonumber(ARGV[4])
+local groups = {{1, n1, tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])}}
+if ARGV[8] == '1' then groups[2] = {n1 + 1, n, tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])} end
+local COUNTERS_FROM = 11
 if redis.call('EXISTS', marker) == 1 then return {'duplicate'} end
 local missing = {}
 for i = 1, n do
@@ -43,40 +48,66 @@ if #missing > 0 then
   for _, i in ipairs(missing) do reply[#reply + 1] = i end
   return reply
 end
-local granted = asked
-local state = {}
-for i = 1, n do
-  local base = 6 + (i - 1) * 4
-  local lr, lt, lc = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3])
-  local v = redis.call('HMGET', KEYS[i], 'ur', 'rr', 'ut', 'rt', 'uc', 'rc')
-  local ur, rr, ut, rt, uc, rc = tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0,
-    tonumber(v[4]) or 0, tonumber(v[5]) or 0, tonumber(v[6]) or 0
-  state[i] = {ur, rr, ut, rt, uc, rc}
-  if lr >= 0 and ur + rr + 1 > lr then return {'refused', i, 'requests', ur, rr, lr} end
-  if lt >= 0 then
-    local room = lt - ut - rt - prompt
-    if room < 1 then return {'refused', i, 'tokens', ut, rt, lt} end
-    if room < granted then granted = room end
-  end
-  if lc >= 0 then
-    local room = (lc - uc - rc) * 1000000 - prompt * price_in
-    if room < 0 or (price_in == 0 and price_out == 0 and uc + rc >= lc) then
-      return {'refused', i, 'cost', uc, rc, lc}
-    end
-    if price_out > 0 then
-      local fits = math.floor(room / price_out)
-      if fits < 1 then return {'refused', i, 'cost', uc, rc, lc} end
-      if fits < granted then granted = fits end
-    end
-  end
+local function limits(i)
+  local base = COUNTERS_FROM + (i - 1) * 4
+  return tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4])
 end
+-- (tokens granted, each counter's state) when every counter of the group has room, else
+-- (nil, the refusal). counts_only skips the cost limits.
+local function check(group, counts_only)
+  local first, last, asked, price_in, price_out = unpack(group)
+  local granted = asked
+  local state = {}
+  for i = first, last do
+    local lr, lt, lc = limits(i)
+    local v = redis.call('HMGET', KEYS[i], 'ur', 'rr', 'ut', 'rt', 'uc', 'rc')
+    local ur, rr, ut, rt, uc, rc = tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0,
+      tonumber(v[4]) or 0, tonumber(v[5]) or 0, tonumber(v[6]) or 0
+    state[i] = {ur, rr, ut, rt, uc, rc}
+    if lr >= 0 and ur + rr + 1 > lr then return nil, {'refused', i, 'requests', ur, rr, lr} end
+    if lt >= 0 then
+      local room = lt - ut - rt - prompt
+      if room < 1 then return nil, {'refused', i, 'tokens', ut, rt, lt} end
+      if room < granted then granted = room end
+    end
+    if lc >= 0 and not counts_only then
+      local room = (lc - uc - rc) * 1000000 - prompt * price_in
+      if room < 0 or (price_in == 0 and price_out == 0 and uc + rc >= lc) then
+        return nil, {'refused', i, 'cost', uc, rc, lc}
+      end
+      if price_out > 0 then
+        local fits = math.floor(room / price_out)
+        if fits < 1 then return nil, {'refused', i, 'cost', uc, rc, lc} end
+        if fits < granted then granted = fits end
+      end
+    end
+  end
+  return granted, state
+end
+local chosen, why = 1, nil
+local granted, state = check(groups[1], false)
+if not granted then
+  local refusal = state
+  -- Only money falls back (a cheaper provider or model may still fit); the user's own request and
+  -- token caps stay theirs, whichever feature would serve.
+  if groups[2] == nil or refusal[3] ~= 'cost' then return refusal end
+  local counts_fit, counts_refusal = check(groups[1], true)
+  if not counts_fit then return counts_refusal end
+  granted, state = check(groups[2], false)
+  if not granted then
+    local other = state
+    return {'refused', refusal[2], refusal[3], refusal[4], refusal[5], refusal[6],
+            other[2], other[3], other[4], other[5], other[6]}
+  end
+  chosen, why = 2, refusal
+end
+local first, last, _, price_in, price_out = unpack(groups[chosen])
 local tokens = prompt + granted
 local cost = math.ceil((prompt * price_in + granted * price_out) / 1000000)
 local held = string.format('%d,%d', tokens, cost)
 local worst, worst_i, worst_metric = -1, 0, ''
-for i = 1, n do
-  local base = 6 + (i - 1) * 4
-  local ttl = tonumber(ARGV[base + 4])
+for i = first, last do
+  local lr, lt, lc, ttl = limits(i)
   incr(KEYS[i], 'rr', 1)
   incr(KEYS[i], 'rt', tokens)
   incr(KEYS[i], 'rc', cost)
@@ -84,10 +115,8 @@ for i = 1, n do
   redis.call('HSET', KEYS[n + i], request_id, held)
   redis.call('EXPIRE', KEYS[n + i], ttl)
   local s = state[i]
-  local limits = {{tonumber(ARGV[base + 1]), s[1] + s[2] + 1, 'requests'},
-                  {tonumber(ARGV[base + 2]), s[3] + s[4] + tokens, 'tokens'},
-                  {tonumber(ARGV[base + 3]), s[5] + s[6] + cost, 'cost'}}
-  for _, l in ipairs(limits) do
+  local used = {{lr, s[1] + s[2] + 1, 'requests'}, {lt, s[3] + s[4] + tokens, 'tokens'}, {lc, s[5] + s[6] + cost, 'cost'}}
+  for _, l in ipairs(used) do
     if l[1] > 0 then
       local permille = math.floor(1000 * l[2] / l[1])
       if permille > worst then worst, worst_i, worst_metric = permille, i, l[3] end
@@ -95,7 +124,11 @@ for i = 1, n do
   end
 end
 redis.call('SET', marker, 1, 'EX', marker_ttl)
-return {'ok', granted, tokens, cost, worst, worst_i, worst_metric}
+local reply = {'ok', granted, tokens, cost, worst, worst_i, worst_metric, chosen}
+if why then
+  for k = 2, 6 do reply[#reply + 1] = why[k] end  -- why the first group said no
+end
+return reply
 """
 
 SETTLE_LUA = """
@@ -165,6 +198,16 @@ class CounterSpec:
 
 
 @dataclass(frozen=True)
+class CounterGroup:
+    """The ceilings of the feature that would serve, with what it asks and its prices."""
+
+    counters: list[CounterSpec]
+    max_tokens: int
+    price_in_per_million: int = 0
+    price_out_per_million: int = 0
+
+
+@dataclass(frozen=True)
 class Usage:
     requests: int = 0
     tokens: int = 0
@@ -192,6 +235,10 @@ class AdmitResult:
     fullest_permille: int = 0  # how full the fullest ceiling is after this admission
     fullest_index: int | None = None
     fullest_metric: str = ""
+    fell_back: bool = False  # admitted on the fallback group's ceilings …
+    primary_refusal: AdmitResult | None = None  # … because the first group refused this way
+    # Refused after the fallback was tried too: why the fallback did not fit (refused_* are the first group's).
+    fallback_refusal: AdmitResult | None = None
 
 
 class CounterStore:
@@ -219,37 +266,20 @@ class CounterStore:
         max_tokens: int,
         price_in_per_million: int = 0,
         price_out_per_million: int = 0,
+        fallback: CounterGroup | None = None,
     ) -> AdmitResult:
-        args: list = [MARKER_TTL_S, prompt_tokens, max_tokens, price_in_per_million, price_out_per_million, request_id]
-        for spec in counters:
+        """Reserve on every counter, or refuse; indexes in the result count `counters`, then the fallback's."""
+        primary = CounterGroup(counters, max_tokens, price_in_per_million, price_out_per_million)
+        groups = [primary] if fallback is None else [primary, fallback]
+        specs = [spec for group in groups for spec in group.counters]
+        args: list = [MARKER_TTL_S, prompt_tokens, request_id, len(counters), *_group_args(primary)]
+        args += ["1", *_group_args(fallback)] if fallback is not None else ["0", 0, 0, 0]
+        for spec in specs:
             limits = spec.limits
             args += [_limit(limits.requests), _limit(limits.tokens), _limit(limits.cost_micro_usd), spec.ttl_s]
-        keys = [spec.key for spec in counters] + [in_flight_key(spec.key) for spec in counters]
+        keys = [spec.key for spec in specs] + [in_flight_key(spec.key) for spec in specs]
         keys.append(self.admitted_marker(request_id))
-        reply = [_text(item) for item in self._admit(keys=keys, args=args)]
-        status = reply[0]
-        if status == "ok":
-            return AdmitResult(
-                "ok",
-                granted_tokens=reply[1],
-                reserved_tokens=reply[2],
-                reserved_cost_micro_usd=reply[3],
-                fullest_permille=max(0, reply[4]),
-                fullest_index=reply[5] - 1 if reply[5] else None,
-                fullest_metric=reply[6],
-            )
-        if status == "refused":
-            return AdmitResult(
-                "refused",
-                refused_index=reply[1] - 1,
-                refused_metric=reply[2],
-                refused_used=reply[3],
-                refused_reserved=reply[4],
-                refused_limit=reply[5],
-            )
-        if status == "rebuild":
-            return AdmitResult("rebuild", rebuild_indexes=tuple(i - 1 for i in reply[1:]))
-        return AdmitResult("duplicate")
+        return _admit_result([_text(item) for item in self._admit(keys=keys, args=args)])
 
     def settle(self, request_id: str, keys: list[str], *, used_tokens: int, used_cost_micro_usd: int,
                count_as_used: bool = True) -> bool:
@@ -283,6 +313,41 @@ class CounterStore:
             return None
         ur, ut, uc, rr, rt, rc = (int(v or 0) for v in values[1:])
         return CounterState(Usage(ur, ut, uc), Usage(rr, rt, rc))
+
+
+def _group_args(group: CounterGroup) -> list[int]:
+    return [group.max_tokens, group.price_in_per_million, group.price_out_per_million]
+
+
+def _admit_result(reply: list) -> AdmitResult:
+    status = reply[0]
+    if status == "ok":
+        return AdmitResult(
+            "ok",
+            granted_tokens=reply[1],
+            reserved_tokens=reply[2],
+            reserved_cost_micro_usd=reply[3],
+            fullest_permille=max(0, reply[4]),
+            fullest_index=reply[5] - 1 if reply[5] else None,
+            fullest_metric=reply[6],
+            fell_back=reply[7] == 2,
+            primary_refusal=_refusal(reply[8:13]) if reply[7] == 2 else None,
+        )
+    if status == "refused":
+        fallback_refusal = _refusal(reply[6:11]) if len(reply) > 6 else None
+        return replace(_refusal(reply[1:6]), fallback_refusal=fallback_refusal)
+    if status == "rebuild":
+        return AdmitResult("rebuild", rebuild_indexes=tuple(i - 1 for i in reply[1:]))
+    return AdmitResult("duplicate")
+
+
+def _refusal(fields: list) -> AdmitResult:
+    """One counter's no: (its 1-based index, metric, used, reserved, limit)."""
+    index, metric, used, reserved, limit = fields
+    return AdmitResult(
+        "refused", refused_index=index - 1, refused_metric=metric, refused_used=used, refused_reserved=reserved,
+        refused_limit=limit,
+    )
 
 
 def in_flight_key(counter_key: str) -> str:

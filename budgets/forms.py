@@ -176,7 +176,7 @@ class FeatureForm(forms.ModelForm):
         model = Feature
         fields = [
             "name", "description", "enabled", "mode", "max_input_tokens", "max_output_tokens", "provider",
-            "cache_ttl_s", "semantic_threshold", "cache_shared",
+            "fallback", "cache_ttl_s", "semantic_threshold", "cache_shared",
         ]
         labels = {"cache_ttl_s": "Answer cache TTL (seconds)", "semantic_threshold": "Semantic cache threshold"}
         help_texts = {
@@ -189,6 +189,23 @@ class FeatureForm(forms.ModelForm):
         super().__init__(*args, **kwargs)
         self.fields["provider"].queryset = Provider.objects.order_by("name")
         self.fields["provider"].empty_label = "the default provider (local)"
+        fallback = self.fields["fallback"]
+        fallback.queryset = Feature.objects.exclude(pk=self.instance.pk).order_by("name")
+        fallback.empty_label = "none: refuse when a cost cap is reached"
+        fallback.error_messages["invalid_choice"] = "Choose one of the listed features; a feature is never its own fallback."
+
+    def clean_fallback(self) -> Feature | None:
+        fallback = self.cleaned_data.get("fallback")
+        if fallback is None or self.instance.pk is None:
+            return fallback  # nothing falls back to a feature not saved yet, so it closes no loop
+        loop = self.instance.fallback_loop(fallback)
+        if loop:
+            names = " → ".join(feature.name for feature in [self.instance, *loop])
+            raise forms.ValidationError(
+                f"{fallback.name!r} cannot be the fallback of {self.instance.name!r}: that makes a loop ({names}). "
+                "A fallback's chain must never come back to the feature."
+            )
+        return fallback
 
     def clean_semantic_threshold(self) -> float | None:
         value = self.cleaned_data.get("semantic_threshold")

@@ -25,7 +25,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
-from .counters import AdmitResult, CounterSpec, CounterStore, Limits, Usage
+from .counters import AdmitResult, CounterGroup, CounterSpec, CounterStore, Limits, Usage
 from .live import publish_on_commit
 from .models import Feature, ModelPrice, Period, Provider, Quota, TokenLog
 from .money import format_usd
@@ -153,6 +153,19 @@ def price_in_force(provider: Provider, model: str, at: datetime) -> ModelPrice |
 
 
 @dataclass(frozen=True)
+class Fallback:
+    """Where the request goes when a cost or provider-spend cap refuses its own feature.
+
+    The caller chooses it (the feature's fallback, when that one could take this request at all) and
+    names the model it prices and logs; the guard decides, in the same atomic step, whether it fits.
+    """
+
+    feature: Feature
+    model: str
+    max_tokens: int
+
+
+@dataclass(frozen=True)
 class AdmissionRequest:
     request_id: str
     user: object
@@ -162,6 +175,7 @@ class AdmissionRequest:
     max_tokens: int
     loop: LoopLimits | None = None
     provider: Provider | None = None
+    fallback: Fallback | None = None
 
 
 @dataclass
@@ -174,41 +188,110 @@ class Decision:
     retry_after_s: int | None = None
     warning: str = ""
     log: TokenLog | None = None
+    # Admitted on the fallback: the feature and model that serve, and the sentence that says why.
+    fell_back_to: Feature | None = None
+    fallback_model: str = ""
+    fallback_notice: str = ""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A feature that could serve the request, with the price and ceilings it would be admitted under."""
+
+    feature: Feature
+    provider: Provider
+    model: str
+    max_tokens: int
+    price: ModelPrice | None
+    ceilings: list[Ceiling]
+
+    def counter_group(self) -> CounterGroup:
+        return CounterGroup(
+            [c.spec for c in self.ceilings],
+            self.max_tokens,
+            self.price.input_per_million_micro_usd if self.price else 0,
+            self.price.output_per_million_micro_usd if self.price else 0,
+        )
+
+
+def candidate(request: AdmissionRequest, feature: Feature, provider: Provider | None, model: str, max_tokens: int,
+              now: datetime) -> Candidate:
+    provider = provider or feature.provider or Provider.default()
+    ceilings = applicable_ceilings(request.user, feature, provider, now, request.loop)
+    return Candidate(feature, provider, model, max_tokens, price_in_force(provider, model, now), ceilings)
 
 
 def admit(request: AdmissionRequest, now: datetime | None = None) -> Decision:
-    """Check every ceiling and reserve against all of them atomically, or refuse with a sentence."""
+    """Check every ceiling and reserve against all of them atomically, or refuse with a sentence.
+
+    With a fallback, a refusal by a cost or provider-spend cap (and by nothing else) admits the
+    request on the fallback's ceilings instead, when they have room, in the same Lua call.
+    """
     now = now or timezone.now()
-    provider = request.provider or request.feature.provider or Provider.default()
-    price = price_in_force(provider, request.model, now)
-    ceilings = applicable_ceilings(request.user, request.feature, provider, now, request.loop)
-    row, created = _open_row(request, provider, price, ceilings, now)
+    primary = candidate(request, request.feature, request.provider, request.model, request.max_tokens, now)
+    # Its ceilings are read even when the primary will fit: one Lua call decides both, atomically.
+    offered = request.fallback
+    fallback = candidate(request, offered.feature, None, offered.model, offered.max_tokens, now) if offered else None
+    row, created = _open_row(request, primary.provider, primary.price, primary.ceilings, now)
     if not created:
         return Decision(False, request.request_id, code="duplicate_request", message="This request was already submitted.")
     try:
-        result = _admit_with_rebuild(request, ceilings, price, now)
+        result = _admit_with_rebuild(request, primary, fallback)
     except (redis.RedisError, GuardUnavailable) as exc:
         log.warning("guard unavailable: %s", exc)
         message = "The budget guard cannot be reached right now, so no request can be admitted. Please try again in a minute."
         return _refuse(row, "guard_unavailable", message, 30)
     if result.status == "duplicate":
         return _refuse(row, "duplicate_request", "This request was already submitted.", None)
+    ceilings = primary.ceilings + (fallback.ceilings if fallback else [])  # the script's indexes count both
     if result.status == "refused":
-        ceiling = ceilings[result.refused_index]
-        code, message, retry = refusal_text(ceiling, result, now)
+        code, message, retry = refusal_text(ceilings[result.refused_index], result, now)
+        if result.fallback_refusal is not None:
+            message, retry = _fallback_refused_too(fallback, ceilings, result.fallback_refusal, message, retry, now)
         return _refuse(row, code, message, retry)
-    TokenLog.objects.filter(pk=row.pk).update(
-        admitted=True,
-        max_tokens=result.granted_tokens,
-        reserved_tokens=result.reserved_tokens,
-        reserved_cost_micro_usd=result.reserved_cost_micro_usd,
-    )
-    row.admitted, row.max_tokens, row.reserved_tokens = True, result.granted_tokens, result.reserved_tokens
-    row.reserved_cost_micro_usd = result.reserved_cost_micro_usd
+    served = fallback if result.fell_back else primary
+    _mark_admitted(row, result, served, requested=request.feature if result.fell_back else None)
     warning = ""
     if result.fullest_permille >= WARN_PERMILLE and result.fullest_index is not None:
         warning = nearing_text(ceilings[result.fullest_index], result, now)
-    return Decision(True, request.request_id, max_tokens=result.granted_tokens, warning=warning, log=row)
+    decision = Decision(True, request.request_id, max_tokens=result.granted_tokens, warning=warning, log=row)
+    if result.fell_back:
+        why = result.primary_refusal
+        decision.fell_back_to, decision.fallback_model = served.feature, served.model
+        decision.fallback_notice = fell_back_text(ceilings[why.refused_index], why, served, now)
+    return decision
+
+
+def _mark_admitted(row: TokenLog, result: AdmitResult, served: Candidate, requested: Feature | None) -> None:
+    """The row holds what was reserved; after a fallback also who serves it, so that settling releases
+    the fallback's counters and a rebuild counts the row under the fallback's feature and provider."""
+    fields = {
+        "admitted": True,
+        "max_tokens": result.granted_tokens,
+        "reserved_tokens": result.reserved_tokens,
+        "reserved_cost_micro_usd": result.reserved_cost_micro_usd,
+    }
+    if requested is not None:
+        fields |= {
+            "requested_feature": requested,
+            "feature": served.feature,
+            "provider": served.provider,
+            "price": served.price,
+            "model": served.model,
+            "counter_keys": [c.spec.key for c in served.ceilings],
+        }
+    TokenLog.objects.filter(pk=row.pk).update(**fields)
+    for name, value in fields.items():
+        setattr(row, name, value)
+
+
+def _fallback_refused_too(fallback: Candidate, ceilings: list[Ceiling], refusal: AdmitResult, message: str,
+                          retry: int | None, now: datetime) -> tuple[str, int | None]:
+    """The sentence names both features; retrying helps once either of the two caps resets."""
+    _, why_not, fallback_retry = refusal_text(ceilings[refusal.refused_index], refusal, now)
+    message = f"{message} Its fallback, the feature {fallback.feature.name!r}, cannot take it either: {why_not}"
+    retries = [r for r in (retry, fallback_retry) if r is not None]
+    return message, min(retries) if retries else None
 
 
 def _open_row(request, provider, price, ceilings, now) -> tuple[TokenLog | None, bool]:
@@ -244,21 +327,25 @@ def _open_row(request, provider, price, ceilings, now) -> tuple[TokenLog | None,
     return row, True
 
 
-def _admit_with_rebuild(request, ceilings, price, now) -> AdmitResult:
+def _admit_with_rebuild(request: AdmissionRequest, primary: Candidate, fallback: Candidate | None) -> AdmitResult:
     store = counter_store()
+    ceilings = primary.ceilings + (fallback.ceilings if fallback else [])
+    group = primary.counter_group()
     for _ in range(REBUILD_ATTEMPTS):
         result = store.admit(
             request.request_id,
-            [c.spec for c in ceilings],
+            group.counters,
             prompt_tokens=request.prompt_tokens,
-            max_tokens=request.max_tokens,
-            price_in_per_million=price.input_per_million_micro_usd if price else 0,
-            price_out_per_million=price.output_per_million_micro_usd if price else 0,
+            max_tokens=group.max_tokens,
+            price_in_per_million=group.price_in_per_million,
+            price_out_per_million=group.price_out_per_million,
+            fallback=fallback.counter_group() if fallback else None,
         )
         if result.status != "rebuild":
             return result
-        for index in result.rebuild_indexes:
-            rebuild_counter(ceilings[index])
+        # A user's cap on all features is in both groups: rebuild each counter once.
+        for ceiling in {ceilings[i].spec.key: ceilings[i] for i in result.rebuild_indexes}.values():
+            rebuild_counter(ceiling)
     raise GuardUnavailable("counters could not be rebuilt from the ledger")
 
 
@@ -399,6 +486,12 @@ def refusal_text(ceiling: Ceiling, result: AdmitResult, now: datetime) -> tuple[
         message += f". Your allowance resets {describe_reset(ceiling.period, now)}."
     retry = seconds_until_reset(ceiling.period, now) if ceiling.period else None
     return code, message, retry
+
+
+def fell_back_text(ceiling: Ceiling, why: AdmitResult, served: Candidate, now: datetime) -> str:
+    """What a client is told when the fallback serves: which cap said no, and who answers instead."""
+    _, message, _ = refusal_text(ceiling, why, now)
+    return f"{message} This answer comes from the feature {served.feature.name!r} ({served.model}) instead."
 
 
 def nearing_text(ceiling: Ceiling, result: AdmitResult, now: datetime) -> str:

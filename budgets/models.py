@@ -131,10 +131,34 @@ class Feature(models.Model):
     # Which weights of the local model serve this feature. Not in the feature form: staff switch it
     # on the feature page, only after an evaluation passed (inference.actions.do_switch_quantization).
     quantization = models.CharField(max_length=8, choices=Quantization.choices, default=Quantization.NONE)
+    # The simpler path: when the guard would refuse this feature for a cost or provider-spend cap, it
+    # serves the request with the fallback instead, if that fits (budgets/guard.py). One hop only: a
+    # fallback's own fallback is never followed, so no configuration can make an admission loop.
+    fallback = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="fallback_for",
+        help_text="served instead when a cost or provider-spend cap refuses this feature (a cheaper provider or a smaller model)",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
         return self.name
+
+    def fallback_loop(self, candidate: Feature | None) -> list[Feature]:
+        """The chain candidate → its fallback → … when it comes back to this feature ([] when it does not).
+
+        Reads the chain as saved; the guard follows one hop only, so a loop saved by two staff at
+        once cannot make anything loop, it is only refused here.
+        """
+        chain: list[Feature] = []
+        seen: set[int] = set()
+        current = candidate
+        while current is not None and current.pk not in seen:
+            chain.append(current)
+            if current.pk == self.pk:
+                return chain
+            seen.add(current.pk)
+            current = current.fallback
+        return []
 
 
 class TokenLog(models.Model):
@@ -153,7 +177,12 @@ class TokenLog(models.Model):
 
     request_id = models.CharField(max_length=64, unique=True)
     user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="token_logs")
+    # The feature that served the request (its caps, provider and price counted it) …
     feature = models.ForeignKey(Feature, null=True, on_delete=models.PROTECT, related_name="token_logs")
+    # … and, when the guard fell back to it, the feature the client asked for; empty when they are the same.
+    requested_feature = models.ForeignKey(
+        Feature, null=True, blank=True, on_delete=models.PROTECT, related_name="fallback_token_logs"
+    )
     provider = models.ForeignKey(Provider, null=True, on_delete=models.PROTECT, related_name="token_logs")
     price = models.ForeignKey(ModelPrice, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
     model = models.CharField(max_length=200)

@@ -7,7 +7,7 @@ from django.db import transaction
 
 from budgets.actions import Usage, do_record_usage, do_save_with_audit, snapshot
 from budgets.alerts import check_provider_thresholds_safely
-from budgets.guard import AdmissionRequest, Decision, LoopLimits, admit, settle
+from budgets.guard import AdmissionRequest, Decision, Fallback, LoopLimits, admit, settle
 from budgets.models import AuditEntry, Feature, TokenLog, unique_row
 
 from .models import ModelAlias, QuantizationEvaluation, QuantizationPolicy, Transcript
@@ -25,8 +25,13 @@ def do_admit_request(
     loop: LoopLimits | None = None,
     params: dict | None = None,
     end_user: str = "",
+    fallback: Fallback | None = None,
 ) -> Decision:
-    """Ask the guard; when admitted, store the prompt for the worker. Refusals are logged by the guard."""
+    """Ask the guard; when admitted, store the prompt for the worker. Refusals are logged by the guard.
+
+    With a fallback the guard may admit the request there instead (decision.fell_back_to); the row
+    then names the fallback's feature, provider and model, which is what the worker serves it with.
+    """
     request = AdmissionRequest(
         request_id=request_id,
         user=user,
@@ -35,6 +40,7 @@ def do_admit_request(
         prompt_tokens=len(prompt_ids),
         max_tokens=max_tokens,
         loop=loop,
+        fallback=fallback,
     )
     decision = admit(request)
     if decision.admitted:

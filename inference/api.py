@@ -301,6 +301,10 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     else:
         response = await collect_completion(events, completion)
     response["X-Request-Id"] = completion.request_id
+    if "fallback" in first:
+        # The guard served it with the feature's fallback: say who answered (docs/api.md).
+        response["x-ceiling-fallback"] = first["fallback"]["feature"]
+        response["x-ceiling-fallback-model"] = first["fallback"]["model"]
     return response
 
 

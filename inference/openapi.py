@@ -45,7 +45,8 @@ def _chat_completions() -> dict:
         "responses": {
             "200": {
                 "description": "the answer, whole (stream false) or as server-sent chat.completion.chunk events",
-                "headers": {"X-Request-Id": {"schema": {"type": "string"}, "description": "the ledger's request id"}, **RATE_LIMIT_HEADERS},
+                "headers": {"X-Request-Id": {"schema": {"type": "string"}, "description": "the ledger's request id"},
+                            **RATE_LIMIT_HEADERS, **FALLBACK_HEADERS},
                 "content": {
                     JSON: {"schema": {"$ref": "#/components/schemas/ChatCompletion"}},
                     "text/event-stream": {"schema": {"type": "string"}},
@@ -228,16 +229,23 @@ def _error_responses() -> dict:
     }
 
 
-def _rate_limit_header(description: str) -> dict:
+def _string_header(description: str) -> dict:
     return {"schema": {"type": "string"}, "description": description}
 
 
 # Sent when a cap on requests (or tokens) applies to the caller: the tightest one (inference/web/ratelimits.py).
 RATE_LIMIT_HEADERS = {
-    f"x-ratelimit-{what}-{metric}": _rate_limit_header(text.format(metric=metric))
+    f"x-ratelimit-{what}-{metric}": _string_header(text.format(metric=metric))
     for metric in ("requests", "tokens")
     for what, text in (("limit", "the tightest cap's {metric}"), ("remaining", "{metric} left under it"),
                        ("reset", "when it resets, e.g. 6m0s"))
+}
+
+
+# Sent only when a cost cap or a provider's spend limit refused the feature and its fallback served it.
+FALLBACK_HEADERS = {
+    "x-ceiling-fallback": _string_header("the fallback feature that served this request"),
+    "x-ceiling-fallback-model": _string_header("the fallback's model, as logged and priced"),
 }
 
 

@@ -39,7 +39,7 @@ from ..usage import NO_USAGE, Gauge, caps_of, effective_caps, gauges, total_usag
 USERS_PER_PAGE = 50
 AUDIT_PER_PAGE = 50
 PRICES_PER_PAGE = 50
-FEATURE_FIELDS = ("name", "description", "enabled", "max_input_tokens", "max_output_tokens", "provider")
+FEATURE_FIELDS = ("name", "description", "enabled", "max_input_tokens", "max_output_tokens", "provider", "fallback")
 PROVIDER_FIELDS = ("name", "kind", "monthly_limit_micro_usd", "alert_thresholds", "alert_recipients")
 PRICE_FIELDS = (
     "model",
@@ -158,7 +158,7 @@ def features(request: HttpRequest) -> HttpResponse:
         do_save_with_audit(request.user, feature, FEATURE_FIELDS, None, target=f"feature {feature.name}")
         messages.success(request, f"Saved the new feature {feature.name}.")
         return redirect("staff-feature", feature.pk)
-    rows = list(Feature.objects.select_related("provider").order_by("name"))
+    rows = list(Feature.objects.select_related("provider", "fallback").order_by("name"))
     usage = usage_by(TokenLog.objects.all(), "feature_id", timezone.now())
     for feature in rows:
         feature.month = usage.get(feature.pk, NO_USAGE)[Period.MONTH]

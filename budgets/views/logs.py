@@ -86,9 +86,9 @@ def _keyset_page(
 
     Returns the rows and the cursors for the newer and older pages (None where there is none).
     """
-    rows = rows.select_related("user", "feature").only(
+    rows = rows.select_related("user", "feature", "requested_feature").only(
         "request_id", "created_at", "status", "refusal_code", "model", "prompt_tokens", "completion_tokens",
-        "cost_micro_usd", "ttft_ms", "total_ms", "user__username", "feature__name",
+        "cost_micro_usd", "ttft_ms", "total_ms", "user__username", "feature__name", "requested_feature__name",
     )
     if after:
         # Going back towards the newest: read ascending from the cursor, then flip.

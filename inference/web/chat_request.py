@@ -37,7 +37,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import DatabaseError
 
 from budgets.actions import do_log_cache_hit, do_log_refusal
-from budgets.guard import Decision, LoopLimits
+from budgets.guard import Decision, Fallback, LoopLimits
 from budgets.models import Feature, Provider, TokenLog, unique_row
 from inference.actions import do_admit_request, do_finish_request, settle_reservation
 from inference.bus.cancel import arequest_cancel
@@ -157,9 +157,11 @@ async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, fra
             return
         # Dispatch before announcing it: from here on, stopping early only needs a cancel.
         await dispatch_generation(request_id, inbox.key)
-        yield {"type": "accepted", "request_id": request_id, "prompt_tokens": len(prompt_ids), "max_tokens": decision.max_tokens}
-        if decision.warning:
-            yield {"type": "notice", "code": "nearing_cap", "message": decision.warning}
+        for event in admitted_events(decision, len(prompt_ids)):
+            yield event
+        # The fallback's answer is not the one this feature's cache should hand out later.
+        if decision.fell_back_to is not None:
+            key = None
         async for event in _relay(frames, request_id, len(prompt_ids)):
             ended = event["type"] in TERMINAL
             if key is not None and event["type"] == "done" and event.get("finish_reason") == "stop":
@@ -173,6 +175,39 @@ async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, fra
                 await arequest_cancel(request_id)
         finally:
             inbox.close(request_id)
+
+
+def admitted_events(decision: Decision, prompt_tokens: int) -> list[dict]:
+    """`accepted`, then the notices: served by the fallback (`fell_back`), a cap nearly used (`nearing_cap`).
+
+    `accepted` names the fallback too, so that the HTTP API can set its header before the body.
+    """
+    accepted = {"type": "accepted", "request_id": decision.request_id, "prompt_tokens": prompt_tokens,
+                "max_tokens": decision.max_tokens}
+    events = [accepted]
+    if decision.fell_back_to is not None:
+        served = {"feature": decision.fell_back_to.name, "model": decision.fallback_model}
+        accepted["fallback"] = served
+        events.append({"type": "notice", "code": "fell_back", "message": decision.fallback_notice, **served})
+    if decision.warning:
+        events.append({"type": "notice", "code": "nearing_cap", "message": decision.warning})
+    return events
+
+
+def fallback_for(feature: Feature, frame: ChatFrame, prompt_tokens: int) -> Fallback | None:
+    """The feature's fallback, when it could serve this request at all; whether it fits is the guard's call.
+
+    A switched-off fallback, one whose input limit the prompt passes, or one on the local engine for a
+    request with tools is no fallback for it. Its own fallback is not followed (one hop, no loops).
+    """
+    fallback = feature.fallback
+    if fallback is None or not fallback.enabled:
+        return None
+    if prompt_tokens > min(fallback.max_input_tokens, settings.CEILING_MAX_INPUT_TOKENS):
+        return None
+    if frame.params.tools and not is_remote(fallback):
+        return None
+    return Fallback(fallback, model_name(fallback), min(frame.max_tokens, fallback.max_output_tokens))
 
 
 async def _check_before_guard(
@@ -354,7 +389,7 @@ def _timeout_event(first_token_seen: bool) -> dict:
 # there for this lookup alone, ~470 ms for the median chat before its admission could start.
 @partial(database_sync_to_async, thread_sensitive=False)
 def get_feature(name: str) -> Feature | None:
-    return unique_row(Feature.objects.select_related("provider").filter(name=name))
+    return unique_row(Feature.objects.select_related("provider", "fallback__provider").filter(name=name))
 
 
 # Admissions run side by side in the event loop's thread pool (not the one thread-sensitive thread):
@@ -373,6 +408,7 @@ def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, max_t
         loop=loop,
         params=frame.params.stored(),
         end_user=frame.params.end_user,
+        fallback=fallback_for(feature, frame, len(prompt_ids)),
     )
 
 
