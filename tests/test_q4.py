@@ -108,10 +108,10 @@ def test_the_lm_head_gets_an_int8_copy_with_a_scale_per_row_that_serves_the_meas
     assert head.q8_weight.dtype == torch.int8 and head.q8_scales.shape == (16,)
     x = bf16_exact(3, 96)
     # Symmetric per-row int8: half a step (max |w| / 127) of rounding, plus the bf16 scale's own
-    # rounding (2⁻⁹ relative) times at most 127 codes: each weight within 0.75 of a step.
+    # rounding (up to 2⁻⁸ relative: 7 stored mantissa bits) times at most 127 codes: within one step.
     rebuilt = head.q8_weight.float() * head.q8_scales.float()[:, None]
     step = head.weight.abs().amax(1, keepdim=True) / 127
-    assert ((rebuilt - head.weight).abs() <= 0.76 * step).all()
+    assert ((rebuilt - head.weight).abs() <= 1.0 * step).all()
     assert torch.equal(head(x), nn.functional.linear(x, head.weight))  # not measured yet: fp32
     head.q4_max_rows = 4
     torch.testing.assert_close(head(x), q8_forward(head, x))

@@ -7,9 +7,12 @@ unchanged), and does everything between them itself:
 
 - one flat batch of T token rows per step: decode rows first (one per running request), then each
   prompt chunk; every linear layer reads its weights once for all of them;
+- q|k|v and gate|up as one fused linear each (inference/engine/patches/fusion.py): 4 linear calls
+  per layer instead of 7, a lone q4 step 15.8 → 13.4 ms on a 2-core EPYC; q and k rotate together;
 - rotary embeddings from a table computed once with the model's own rotary module;
 - K and V written into a per-layer cache of `num_blocks × page_size` slots at the rows' slots, and
-  read back through each request's block table: decode rows as one padded batch for one
+  read back through each request's block table (a view, no gather, when its blocks are
+  consecutive): decode rows as one padded batch for one
   scaled_dot_product_attention call, each prompt chunk as its own causal call;
 - logits only for the rows that yield a token (decode rows and the last row of a finished prompt).
 
@@ -19,11 +22,13 @@ another thread would give that thread an OpenMP team of its own (inference/engin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ..patches.fusion import fuse_linears
 from .scheduler import StepPlan
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -45,18 +50,33 @@ def unsupported_reason(model) -> str | None:
 class _Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    q: object
-    k: object
-    v: object
-    o: object
-    gate: object
-    up: object
-    down: object
+    qkv: Callable[[torch.Tensor], torch.Tensor]  # x → [rows, q | k | v]
+    o: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]  # x → [rows, gate | up]
+    down: Callable[[torch.Tensor], torch.Tensor]
 
 
 def _forward_of(module):
     """The module's forward without nn.Module.__call__'s hook machinery (~5 µs × 7 × layers a step)."""
     return module.forward
+
+
+def _side_by_side(modules: list) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One call computing the modules' outputs concatenated: fused when their weights allow it."""
+    fused = fuse_linears(modules)
+    if fused is not None:
+        return fused.forward
+    forwards = [_forward_of(module) for module in modules]
+    return lambda x: torch.cat([forward(x) for forward in forwards], dim=-1)
+
+
+def _layer_of(layer) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    return _Layer(
+        layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+        _side_by_side([attn.q_proj, attn.k_proj, attn.v_proj]), _forward_of(attn.o_proj),
+        _side_by_side([mlp.gate_proj, mlp.up_proj]), _forward_of(mlp.down_proj),
+    )
 
 
 class ModelRunner:
@@ -75,15 +95,8 @@ class ModelRunner:
         self.device = self.embed.device
         self.final_norm = core.norm.weight
         self.lm_head = _forward_of(model.lm_head)
-        self.layers = [
-            _Layer(
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                _forward_of(layer.self_attn.q_proj), _forward_of(layer.self_attn.k_proj),
-                _forward_of(layer.self_attn.v_proj), _forward_of(layer.self_attn.o_proj),
-                _forward_of(layer.mlp.gate_proj), _forward_of(layer.mlp.up_proj), _forward_of(layer.mlp.down_proj),
-            )
-            for layer in core.layers
-        ]
+        self.intermediate = config.intermediate_size
+        self.layers = [_layer_of(layer) for layer in core.layers]
         slots = num_blocks * page_size
         shape = (slots, self.kv_heads, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
@@ -114,25 +127,30 @@ class ModelRunner:
 
     def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, batch: _StepBatch) -> torch.Tensor:
         rows = hidden.shape[0]
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         x = F.rms_norm(hidden, (self.hidden,), layer.input_norm, self.eps)
-        q = layer.q(x).view(rows, self.heads, self.head_dim)
-        k = layer.k(x).view(rows, self.kv_heads, self.head_dim)
-        v = layer.v(x).view(rows, self.kv_heads, self.head_dim)
-        q, k = _rotate(q, batch.cos, batch.sin), _rotate(k, batch.cos, batch.sin)
+        qkv = layer.qkv(x).view(rows, heads + 2 * kv_heads, head_dim)
+        # q and k rotate in one pass: they are adjacent heads of the fused output.
+        qk = _rotate(qkv[:, : heads + kv_heads], batch.cos, batch.sin)
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         k_cache, v_cache = self.k_cache[index], self.v_cache[index]
         k_cache.index_copy_(0, batch.write_slots, k.to(self.dtype))
         v_cache.index_copy_(0, batch.write_slots, v.to(self.dtype))
         attended = self._attention(q, k_cache, v_cache, batch)
         hidden = hidden + layer.o(attended)
         x = F.rms_norm(hidden, (self.hidden,), layer.post_norm, self.eps)
-        return hidden + layer.down(F.silu(layer.gate(x)) * layer.up(x))
+        gate_up = layer.gate_up(x)
+        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
+        return hidden + layer.down(F.silu(gate) * up)
 
     def _attention(self, q, k_cache, v_cache, batch: _StepBatch) -> torch.Tensor:
         parts = []
         if batch.decode_rows:
             count = batch.decode_rows
-            keys = k_cache[batch.decode_slots].transpose(1, 2)  # [B, kv_heads, L, head_dim]
-            values = v_cache[batch.decode_slots].transpose(1, 2)
+            keys, values = k_cache[batch.decode_slots], v_cache[batch.decode_slots]  # [B, L, …] or [L, …] alone
+            if count == 1:
+                keys, values = keys.unsqueeze(0), values.unsqueeze(0)
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, kv_heads, L, head_dim]
             queries = q[:count].to(keys.dtype).unsqueeze(2)  # [B, heads, 1, head_dim]
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.decode_mask, enable_gqa=True)
             parts.append(out.reshape(count, -1))
@@ -181,7 +199,7 @@ class _StepBatch:
             write_slots.extend(table[p // page] * page + p % page for p in range(chunk.start, chunk.end))
             if chunk.completes_prompt:
                 logit_rows.append(len(ids) - 1)
-            slots = _slots(runner, chunk.seq.block_table, chunk.end)
+            slots = _cache_rows(runner, chunk.seq.block_table, chunk.end)
             mask = None
             if chunk.start:  # earlier positions are cached: queries see all of them plus a causal part
                 query_positions = torch.arange(chunk.start, chunk.end, device=device).unsqueeze(1)
@@ -197,11 +215,26 @@ class _StepBatch:
         if self.decode_rows:
             lengths = [len(seq) for seq in plan.decode]
             longest = max(lengths)
-            self.decode_slots = torch.stack([_slots(runner, seq.block_table, longest) for seq in plan.decode])
+            if self.decode_rows == 1:
+                self.decode_slots = _cache_rows(runner, plan.decode[0].block_table, longest)
+            else:
+                self.decode_slots = torch.stack([_slots(runner, seq.block_table, longest) for seq in plan.decode])
             if min(lengths) != longest:
                 self.decode_mask = (torch.arange(longest, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)).view(
                     self.decode_rows, 1, 1, longest
                 )
+
+
+def _cache_rows(runner: ModelRunner, block_table: list[int], length: int) -> slice | torch.Tensor:
+    """Where positions 0…length-1 of a request sit in the cache: a slice (a view, nothing copied)
+    when its blocks are consecutive, as a lone request's fresh blocks usually are; else slot indices.
+    The gather it saves costs ~35 µs per layer and tensor at a few hundred positions."""
+    needed = -(-length // runner.page_size)
+    first = block_table[0]
+    if block_table[needed - 1] - first == needed - 1 and block_table[:needed] == list(range(first, first + needed)):
+        start = first * runner.page_size
+        return slice(start, start + length)
+    return _slots(runner, block_table, length)
 
 
 def _slots(runner: ModelRunner, block_table: list[int], length: int) -> torch.Tensor:
