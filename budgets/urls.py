@@ -16,6 +16,6 @@ urlpatterns = [
     path("staff/providers/<int:provider_id>/", config.provider_detail, name="staff-provider"),
     path("staff/audit/", config.audit, name="staff-audit"),
     path("staff/alerts/", alerts.alerts, name="staff-alerts"),
-    path("staff/alerts/webhooks/<int:webhook_id>/", alerts.webhook_action, name="staff-webhook"),
+    path("staff/alerts/webhooks/<int:webhook_id>/", alerts.webhook_detail, name="staff-webhook"),
     path("usage/", logs.my_usage, name="my-usage"),
 ]

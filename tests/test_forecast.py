@@ -215,3 +215,13 @@ def test_the_staff_pages_show_the_forecast_beside_the_cap(staff, local_provider,
         assert '<span class="forecast small">lasts the period</span>' in page
     Quota.objects.filter(Q(user=alice)).update(max_cost_micro_usd=1 * DOLLAR)
     assert '<span class="forecast small">spent</span>' in client.get("/staff/users/").content.decode()
+
+
+def test_one_worker_per_interval_checks_the_forecasts(redis_db, local_provider):
+    from budgets.reconcile import FORECAST_LOCK_KEY, check_spend_forecasts_once_per
+
+    redis_db.delete(FORECAST_LOCK_KEY)
+    assert check_spend_forecasts_once_per(60) is True
+    assert check_spend_forecasts_once_per(60) is False  # another worker's reconciliation, same minute
+    assert 0 < redis_db.ttl(FORECAST_LOCK_KEY) <= 59
+    redis_db.delete(FORECAST_LOCK_KEY)

@@ -10,7 +10,6 @@ from django.contrib import messages
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
-from django.views.decorators.http import require_POST
 
 from ..actions import do_create_webhook, do_delete_webhook, do_set_webhook_enabled
 from ..forms import WebhookForm
@@ -20,6 +19,7 @@ from ..permissions import staff_required
 from ..webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, new_secret
 
 ALERTS_SHOWN = 100
+DELIVERIES_SHOWN = 50
 
 
 @staff_required
@@ -58,9 +58,17 @@ def alerts(request: HttpRequest) -> HttpResponse:
 
 
 @staff_required
-@require_POST
-def webhook_action(request: HttpRequest, webhook_id: int) -> HttpResponse:
+def webhook_detail(request: HttpRequest, webhook_id: int) -> HttpResponse:
+    """One webhook: its recent deliveries (GET); enable, disable or delete it (POST)."""
     hook = get_object_or_404(AlertWebhook.objects.select_related("provider"), pk=webhook_id)
+    if request.method == "POST":
+        return _webhook_action(request, hook)
+    deliveries = hook.deliveries.select_related("alert").order_by("-id")[:DELIVERIES_SHOWN]
+    return render(request, "budgets/webhook_detail.html", {"hook": hook, "deliveries": deliveries})
+
+
+def _webhook_action(request: HttpRequest, hook: AlertWebhook) -> HttpResponse:
+    webhook_id = hook.pk
     action = request.POST.get("action")
     if action == "delete":
         do_delete_webhook(request.user, hook)
