@@ -12,7 +12,7 @@ from django.db import IntegrityError, models, transaction
 from django.utils import timezone
 
 from .live import publish_on_commit
-from .models import Alert, AuditEntry, Feature, Quota, TokenLog, unique_row
+from .models import Alert, AlertWebhook, AuditEntry, Feature, Quota, TokenLog, WebhookDelivery, unique_row
 from .money import exact_usd
 
 
@@ -128,30 +128,51 @@ def do_raise_alert(
     spent_micro_usd: int,
     limit_micro_usd: int,
     recipients: str,
+    kind: str = Alert.Kind.THRESHOLD,
+    projected_at: datetime | None = None,
+    period_end: datetime | None = None,
 ) -> Alert | None:
-    """Write the outbox row for one crossing and queue its email after commit; None if it existed.
+    """Write the outbox row for one alert, a delivery row per webhook that receives it, and queue
+    every channel after commit; None if the alert existed.
 
     The unique constraint decides between concurrent crossings: get_or_create inserts in a
-    savepoint and, when another transaction won, reads that row instead (created=False).
+    savepoint and, when another transaction won, reads that row instead (created=False). The
+    deliveries are written in the same transaction, so no channel of an alert is ever lost.
     """
     with transaction.atomic():
         alert, created = Alert.objects.get_or_create(
+            kind=kind,
             scope=scope,
             threshold=threshold,
             period_key=period_key,
-            defaults={"spent_micro_usd": spent_micro_usd, "limit_micro_usd": limit_micro_usd, "recipients": recipients},
+            defaults={
+                "spent_micro_usd": spent_micro_usd, "limit_micro_usd": limit_micro_usd, "recipients": recipients,
+                "projected_at": projected_at, "period_end": period_end,
+            },
         )
-        if created:
-            # robust: a broker that is away must not fail the caller (the settling of a request);
-            # the row stays unsent and visible.
-            transaction.on_commit(lambda: _queue_alert_email(alert.id), robust=True)
-    return alert if created else None
+        if not created:
+            return None
+        webhooks = [hook for hook in AlertWebhook.objects.filter(enabled=True).select_related("provider") if hook.receives(scope)]
+        deliveries = WebhookDelivery.objects.bulk_create([WebhookDelivery(alert=alert, webhook=hook) for hook in webhooks])
+        # robust: a broker that is away must not fail the caller (the settling of a request), and
+        # one channel's task failing to queue must not keep the next from queueing; the rows stay
+        # unsent and visible, and the sweeper queues them again.
+        transaction.on_commit(lambda: _queue_alert_email(alert.id), robust=True)
+        for delivery in deliveries:
+            transaction.on_commit(lambda delivery_id=delivery.id: _queue_webhook(delivery_id), robust=True)
+    return alert
 
 
 def _queue_alert_email(alert_id: int) -> None:
     from .tasks import send_alert_email  # tasks imports this module
 
     send_alert_email.delay(alert_id)
+
+
+def _queue_webhook(delivery_id: int) -> None:
+    from .tasks import send_alert_webhook  # tasks imports this module
+
+    send_alert_webhook.delay(delivery_id)
 
 
 def do_claim_alert(alert_id: int) -> Alert | None:
@@ -168,16 +189,25 @@ def do_claim_alert(alert_id: int) -> Alert | None:
 
 
 def do_requeue_unsent_alerts(stale_after_s: int = 300) -> int:
-    """The outbox sweeper: queue again every alert not sent yet, releasing claims a dead worker left.
+    """The outbox sweeper: queue again every channel not sent yet, releasing claims a dead worker left.
 
-    Covers a broker that was away when the alert was raised and a worker that died mid-send.
+    Covers a broker that was away when the alert was raised and a worker that died mid-send. A
+    webhook whose attempts ran out is not queued again: it stays failed, on the alerts page.
     """
     now = timezone.now()
-    Alert.objects.filter(sent_at__isnull=True, claimed_at__lt=now - timedelta(seconds=stale_after_s)).update(claimed_at=None)
+    stale = now - timedelta(seconds=stale_after_s)
+    Alert.objects.filter(sent_at__isnull=True, claimed_at__lt=stale).update(claimed_at=None)
+    WebhookDelivery.objects.filter(sent_at__isnull=True, claimed_at__lt=stale).update(claimed_at=None)
     waiting = list(Alert.objects.filter(sent_at__isnull=True, claimed_at__isnull=True).values_list("id", flat=True))
     for alert_id in waiting:
         _queue_alert_email(alert_id)
-    return len(waiting)
+    hooks = list(
+        WebhookDelivery.objects.filter(sent_at__isnull=True, gave_up_at__isnull=True, claimed_at__isnull=True)
+        .values_list("id", flat=True)
+    )
+    for delivery_id in hooks:
+        _queue_webhook(delivery_id)
+    return len(waiting) + len(hooks)
 
 
 def do_mark_alert_sent(alert_id: int, error: str = "") -> bool:
@@ -189,6 +219,32 @@ def do_mark_alert_sent(alert_id: int, error: str = "") -> bool:
     if error:
         return held.update(claimed_at=None, error=error[:500]) == 1
     return held.update(sent_at=timezone.now(), error="") == 1
+
+
+# --- webhook deliveries: the same claim, one row per alert and webhook -----------------------------
+
+
+def do_claim_delivery(delivery_id: int) -> WebhookDelivery | None:
+    """Take an unsent delivery for one attempt, counting it; None when it is sent, given up or held."""
+    now = timezone.now()
+    claimed = WebhookDelivery.objects.filter(
+        id=delivery_id, claimed_at__isnull=True, sent_at__isnull=True, gave_up_at__isnull=True
+    ).update(claimed_at=now, last_attempt_at=now, attempts=models.F("attempts") + 1)
+    if claimed != 1:
+        return None
+    return WebhookDelivery.objects.select_related("alert", "webhook__provider").get(id=delivery_id)
+
+
+def do_finish_delivery(delivery_id: int, *, status_code: int | None, error: str = "", give_up: bool = False) -> bool:
+    """Record one attempt: sent (no error), or the error with the claim released (or, out of
+    attempts, given up so the sweeper leaves it alone and staff see it failed)."""
+    held = WebhookDelivery.objects.filter(id=delivery_id, claimed_at__isnull=False, sent_at__isnull=True)
+    if not error:
+        return held.update(sent_at=timezone.now(), last_status_code=status_code, last_error="") == 1
+    failed = {"claimed_at": None, "last_status_code": status_code, "last_error": error[:500]}
+    if give_up:
+        failed["gave_up_at"] = timezone.now()
+    return held.update(**failed) == 1
 
 
 # --- configuration changes and their audit trail ----------------------------------------------------
@@ -308,3 +364,43 @@ def do_set_quota(
                 quota.save(update_fields=changed)
         changes = {name: (audit_text(name, before[name]), audit_text(name, after[name])) for name in changed}
         return _record(actor, action, quota_target(user, feature, period), changes)
+
+
+# --- alert webhooks ------------------------------------------------------------------------------
+
+WEBHOOK_FIELDS = ("provider", "url", "body_format", "enabled")
+SECRET_SHOWN = "(set; shown once)"  # the trail says a secret exists, never what it is
+
+
+def webhook_target(hook: AlertWebhook) -> str:
+    return f"webhook {hook.pk} ({hook.scope_text})"
+
+
+def _webhook_text(field: str, value: object) -> str:
+    return "every alert" if field == "provider" and value is None else audit_text(field, value)
+
+
+def do_create_webhook(
+    actor: AbstractBaseUser | None, *, provider, url: str, body_format: str, secret: str
+) -> tuple[AlertWebhook, list[AuditEntry]]:
+    """A new enabled webhook, and its creation in the audit trail (the secret only as "set")."""
+    with transaction.atomic():
+        hook = AlertWebhook.objects.create(provider=provider, url=url, body_format=body_format, secret=secret)
+        changes = {name: ("", _webhook_text(name, getattr(hook, name))) for name in WEBHOOK_FIELDS}
+        changes["secret"] = ("", SECRET_SHOWN)
+        return hook, _record(actor, "create", webhook_target(hook), changes)
+
+
+def do_set_webhook_enabled(actor: AbstractBaseUser | None, hook: AlertWebhook, enabled: bool) -> list[AuditEntry]:
+    """Switch a webhook on or off; alerts raised while it is off are not sent to it, then or later."""
+    before = snapshot(hook, ["enabled"])
+    hook.enabled = enabled
+    return do_save_with_audit(actor, hook, ["enabled"], before, target=webhook_target(hook))
+
+
+def do_delete_webhook(actor: AbstractBaseUser | None, hook: AlertWebhook) -> list[AuditEntry]:
+    """Remove a webhook and its deliveries; the trail keeps where it pointed."""
+    with transaction.atomic():
+        entries = _record(actor, "delete", webhook_target(hook), {"url": (hook.url, "")})
+        hook.delete()
+        return entries

@@ -38,13 +38,14 @@ class QuotaAdmin(admin.ModelAdmin):
 @admin.register(Alert)
 class AlertAdmin(admin.ModelAdmin):
     list_display = [
-        "scope", "threshold", "period_key", "spent_micro_usd", "limit_micro_usd", "created_at", "sent_at", "error"
+        "kind", "scope", "threshold", "period_key", "spent_micro_usd", "limit_micro_usd", "created_at", "sent_at", "error"
     ]
-    list_filter = ["period_key", "threshold"]
+    list_filter = ["kind", "period_key", "threshold"]
     search_fields = ["scope"]
     # The outbox's bookkeeping belongs to the email task; staff may read it, or clear an error.
     readonly_fields = [
-        "scope", "threshold", "period_key", "spent_micro_usd", "limit_micro_usd", "created_at", "claimed_at", "sent_at"
+        "kind", "scope", "threshold", "period_key", "spent_micro_usd", "limit_micro_usd", "projected_at", "period_end",
+        "created_at", "claimed_at", "sent_at",
     ]
 
 

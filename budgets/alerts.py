@@ -1,9 +1,10 @@
 """Spend alerts: a provider's month, measured from the ledger, against its alert thresholds.
 
     check_provider_thresholds(provider_id)   # after each settled request: new Alert rows (the outbox)
+    check_spend_forecasts()                  # every minute (reconciliation): projected and spike alerts
     deliver_alert(alert_id)                  # in the email task: claim, send once, mark
 
-An Alert row is unique per (scope, threshold, period), so however many requests cross 80% at the
+An Alert row is unique per (kind, scope, threshold, period), so however many requests cross 80% at the
 same moment, one row is created and one email is sent; the row is written before the email task
 is queued, so the email is never lost either (STYLE.md points 6 and 7).
 """
@@ -11,13 +12,14 @@ is queued, so the email is never lost either (STYLE.md points 6 and 7).
 from __future__ import annotations
 
 import logging
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.core.mail import send_mail
 from django.db.models import Sum
 from django.utils import timezone
 
+from . import forecast as forecasting
 from .actions import do_claim_alert, do_mark_alert_sent, do_raise_alert
 from .models import Alert, Period, Provider, TokenLog
 from .money import format_usd
@@ -74,6 +76,57 @@ def check_provider_thresholds_safely(provider_id: int) -> list[int]:
     except Exception:
         log.exception("spend alert check failed for provider %s", provider_id)
         return []
+
+
+def check_spend_forecasts(at: datetime | None = None) -> list[int]:
+    """Raise a projected alert for every cost cap that runs out early at this rate (once per period
+    and scope), and a spike alert for every scope whose day is above 3x its median (once a day); new ids.
+
+    Providers without a limit are watched for spikes too: a spike costs money with or without a cap.
+    """
+    at = at or timezone.now()
+    providers = list(Provider.objects.order_by("name"))
+    caps = forecasting.all_cost_caps(at)
+    # Spikes only: a zero "cap" that never forecasts, so every provider's history is read in the same query.
+    watched = caps + [
+        forecasting.CostCap(provider_scope(p), Period.MONTH, 0, ("provider_id",), (p.pk,))
+        for p in providers if not p.monthly_limit_micro_usd
+    ]
+    found = forecasting.histories(watched, at)
+    new_ids = []
+    for cap in caps:
+        projection = forecasting.forecast(cap, found[(cap.group, cap.key)], at)
+        if projection.worth_an_alert:
+            new_ids += _raised(
+                kind=Alert.Kind.PROJECTED, scope=cap.scope, threshold=0, period_key=period_key(cap.period, at),
+                spent_micro_usd=projection.spent_micro_usd, limit_micro_usd=cap.cap_micro_usd,
+                projected_at=projection.exhausted_at, period_end=projection.period_end,
+            )
+    seen = set()
+    for cap in watched:
+        if cap.scope in seen:  # a user's day and month caps are one scope: one spike a day
+            continue
+        seen.add(cap.scope)
+        jump = forecasting.spike(found[(cap.group, cap.key)], at)
+        if jump is not None:
+            new_ids += _raised(
+                kind=Alert.Kind.SPIKE, scope=cap.scope, threshold=100 * forecasting.SPIKE_FACTOR,
+                period_key=period_key(Period.DAY, at), spent_micro_usd=jump[0], limit_micro_usd=jump[1],
+            )
+    return new_ids
+
+
+def _raised(**fields) -> list[int]:
+    alert = do_raise_alert(recipients=", ".join(scope_recipients(fields["scope"])), **fields)
+    return [alert.id] if alert is not None else []
+
+
+def scope_recipients(scope: str) -> list[str]:
+    """A provider's alert recipients; for other scopes none of their own (the fallback setting applies)."""
+    if scope.startswith(PROVIDER_SCOPE):
+        provider = Provider.objects.filter(name=scope.removeprefix(PROVIDER_SCOPE)).first()
+        return provider.recipients() if provider else []
+    return []
 
 
 def provider_month_spend(provider_id: int, at: datetime) -> int:
@@ -147,7 +200,15 @@ def alert_recipients(alert: Alert) -> list[str]:
 
 
 def alert_email(alert: Alert) -> tuple[str, str]:
-    """(subject, body) of the one email for an alert, with the money in dollars."""
+    """(subject, body) of an alert, with the money in dollars: the email, and the webhooks' text."""
+    if alert.kind == Alert.Kind.PROJECTED:
+        return projected_text(alert)
+    if alert.kind == Alert.Kind.SPIKE:
+        return spike_text(alert)
+    return threshold_text(alert)
+
+
+def threshold_text(alert: Alert) -> tuple[str, str]:
     what = describe_scope(alert.scope)
     subject = f"[Ceiling] {what} at {alert.threshold}% of its monthly limit"
     percent = alert.spent_micro_usd * 100 // alert.limit_micro_usd if alert.limit_micro_usd else 0
@@ -168,10 +229,58 @@ def alert_email(alert: Alert) -> tuple[str, str]:
     return subject, "\n".join(lines) + "\n"
 
 
+def projected_text(alert: Alert) -> tuple[str, str]:
+    """'At this rate the provider 'local''s monthly budget runs out on 18 Dec, 13 days early.'"""
+    what = describe_scope(alert.scope)
+    budget = "daily budget" if len(alert.period_key) > 7 else "monthly budget"
+    runs_out = timezone.localtime(alert.projected_at)
+    when = f"at {runs_out:%H:%M}" if budget == "daily budget" else f"on {runs_out.day} {runs_out:%b}"
+    early = describe_early(alert.period_end - alert.projected_at) if alert.period_end and alert.projected_at else ""
+    subject = f"[Ceiling] {what}: {budget} projected to run out {when}"
+    lines = [
+        f"At this rate the {what}'s {budget} runs out {when}, {early}.",
+        "",
+        f"It has spent {format_usd(alert.spent_micro_usd)} of {format_usd(alert.limit_micro_usd)} in {alert.period_key}; "
+        "the projection follows the last 7 days' daily spend (by weekday, once there are 3 weeks of history).",
+        "",
+        "You get this once per period for each budget.",
+    ]
+    return subject, "\n".join(lines) + "\n"
+
+
+def spike_text(alert: Alert) -> tuple[str, str]:
+    what = describe_scope(alert.scope)
+    times = alert.spent_micro_usd / alert.limit_micro_usd if alert.limit_micro_usd else 0
+    subject = f"[Ceiling] spend spike: {what} on {alert.period_key}"
+    lines = [
+        f"The {what} has spent {format_usd(alert.spent_micro_usd)} on {alert.period_key}, {times:.1f}× the median "
+        f"day of the 7 before it ({format_usd(alert.limit_micro_usd)}).",
+        "",
+        "You get this once per day at most.",
+    ]
+    return subject, "\n".join(lines) + "\n"
+
+
+def describe_early(ahead: timedelta) -> str:
+    """'13 days early', '1 day early', '5 h early' — how long before the reset a budget runs out."""
+    days = ahead.days
+    if days >= 1:
+        return f"{days} day{'s' if days != 1 else ''} early"
+    return f"{max(1, int(ahead.total_seconds() // 3600))} h early"
+
+
 def describe_scope(scope: str) -> str:
-    if scope.startswith(PROVIDER_SCOPE):
-        return f"provider {scope.removeprefix(PROVIDER_SCOPE)!r}"
-    return scope
+    """'provider 'local'', 'user 'alice'', 'user 'alice' on the feature 'chat'' from Alert.scope."""
+    parts = []
+    for part in scope.split("/"):
+        kind, _, name = part.partition(":")
+        if kind == "feature" and parts:
+            parts.append(f"on the feature {name!r}")
+        elif kind in ("provider", "user", "feature", "team", "tag") and name:
+            parts.append(f"{kind} {name!r}")
+        else:
+            parts.append(part)
+    return " ".join(parts)
 
 
 def _split(addresses: str) -> list[str]:

@@ -67,7 +67,8 @@ def cache_savings_this_month(now: datetime) -> dict:
 
 
 def alerts_this_month(now: datetime) -> list[Alert]:
-    return list(Alert.objects.filter(period_key=period_key("month", now)).order_by("-created_at")[:20])
+    # startswith: a spike or a daily cap's alert is keyed by its day, "2026-12-03", inside the month.
+    return list(Alert.objects.filter(period_key__startswith=period_key("month", now)).order_by("-created_at")[:20])
 
 
 def percentile(queryset, field: str, fraction: float) -> int | None:

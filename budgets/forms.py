@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from . import costmodel
 from .actions import QUOTA_FIELDS
-from .models import Feature, ModelPrice, Period, Provider, Quota, TokenLog
+from .models import AlertWebhook, Feature, ModelPrice, Period, Provider, Quota, TokenLog
 from .money import format_usd, parse_usd
 from .periods import local_zone
 from .usage import caps_of
@@ -540,3 +540,20 @@ class LogFilterForm(forms.Form):
             day_after = data["date_to"] + timedelta(days=1)
             rows = rows.filter(created_at__lt=datetime.combine(day_after, time(), tzinfo=local_zone()))
         return rows
+
+
+class WebhookForm(forms.Form):
+    """A new alert webhook: where alerts of which scope are POSTed, and in which body."""
+
+    provider = forms.ModelChoiceField(
+        queryset=Provider.objects.order_by("name"), required=False, empty_label="every alert",
+        label="Alerts of", help_text="A provider's alerts, or every alert (users' caps, spikes, all providers).",
+    )
+    url = forms.URLField(label="URL", max_length=500, assume_scheme="https")
+    body_format = forms.ChoiceField(label="Body", choices=AlertWebhook.BodyFormat.choices, initial=AlertWebhook.BodyFormat.JSON)
+
+    def clean_url(self) -> str:
+        url = self.cleaned_data["url"]
+        if not url.startswith(("http://", "https://")):
+            raise ValidationError("A webhook URL starts with http:// or https://.")
+        return url

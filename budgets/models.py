@@ -263,13 +263,28 @@ class Quota(models.Model):
 
 
 class Alert(models.Model):
-    """The outbox of spend alerts: one row per (scope, threshold, period), claimed once, emailed once."""
+    """The outbox of spend alerts: one row per (kind, scope, threshold, period), claimed once, sent once.
 
+    The row's own claim (claimed_at, sent_at, error) is the email channel's; each webhook has a
+    WebhookDelivery row of its own, created with the alert, so one channel failing never holds
+    back another.
+    """
+
+    class Kind(models.TextChoices):
+        THRESHOLD = "threshold"  # spend crossed a percent of the limit
+        PROJECTED = "projected"  # at the current rate the cap runs out before its period ends
+        SPIKE = "spike"  # a day's spend above 3x the trailing median
+
+    kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.THRESHOLD)
+    # "provider:local", "user:alice", "user:alice/feature:chat"; a team or tag scope will read "team:…".
     scope = models.CharField(max_length=100)
-    threshold = models.PositiveSmallIntegerField()
-    period_key = models.CharField(max_length=16)
+    threshold = models.PositiveSmallIntegerField()  # percent for THRESHOLD; 0 for the others
+    period_key = models.CharField(max_length=16)  # "2026-12" or "2026-12-03": the period is in the key
     spent_micro_usd = models.BigIntegerField()
+    # THRESHOLD and PROJECTED: the cap; SPIKE: the trailing median the day's spend is compared with.
     limit_micro_usd = models.BigIntegerField()
+    projected_at = models.DateTimeField(null=True, blank=True)  # PROJECTED: when the cap runs out
+    period_end = models.DateTimeField(null=True, blank=True)  # PROJECTED: when the cap resets
     recipients = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     claimed_at = models.DateTimeField(null=True, blank=True)
@@ -278,11 +293,77 @@ class Alert(models.Model):
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["scope", "threshold", "period_key"], name="one_alert_per_threshold_and_period")
+            models.UniqueConstraint(
+                fields=["kind", "scope", "threshold", "period_key"], name="one_alert_per_kind_threshold_and_period"
+            )
         ]
 
     def __str__(self) -> str:
-        return f"{self.scope} {self.threshold}% {self.period_key}"
+        if self.kind == self.Kind.THRESHOLD:
+            return f"{self.scope} {self.threshold}% {self.period_key}"
+        return f"{self.scope} {self.kind} {self.period_key}"
+
+
+class AlertWebhook(models.Model):
+    """A URL that receives alerts as a signed POST: one provider's, or (provider empty) every alert.
+
+    The scope is a nullable foreign key per kind of scope, so a rename or a deletion follows the
+    provider; a team or tag scope is one more nullable key (and at most one of them set).
+    """
+
+    class BodyFormat(models.TextChoices):
+        JSON = "json", "Ceiling JSON"
+        SLACK = "slack", "Slack-compatible ({\"text\": …})"
+
+    provider = models.ForeignKey(
+        Provider, null=True, blank=True, on_delete=models.CASCADE, related_name="webhooks",
+        help_text="empty: every alert, whatever its scope",
+    )
+    url = models.URLField(max_length=500)
+    # Kept as is: signing needs the secret itself. Shown to staff once, when the webhook is created.
+    secret = models.CharField(max_length=64)
+    body_format = models.CharField(max_length=8, choices=BodyFormat.choices, default=BodyFormat.JSON)
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"webhook {self.pk} ({self.scope_text}) {self.url}"
+
+    @property
+    def scope_text(self) -> str:
+        return f"provider {self.provider.name}" if self.provider_id else "every alert"
+
+    def receives(self, scope: str) -> bool:
+        """Does an alert of this scope go to this webhook? (scope as Alert.scope spells it)"""
+        return self.provider_id is None or scope == f"provider:{self.provider.name}"
+
+
+class WebhookDelivery(models.Model):
+    """One alert to one webhook: claimed once, POSTed until it succeeds or the attempts run out."""
+
+    alert = models.ForeignKey(Alert, on_delete=models.CASCADE, related_name="deliveries")
+    webhook = models.ForeignKey(AlertWebhook, on_delete=models.CASCADE, related_name="deliveries")
+    attempts = models.PositiveSmallIntegerField(default=0)
+    claimed_at = models.DateTimeField(null=True, blank=True)
+    sent_at = models.DateTimeField(null=True, blank=True)
+    gave_up_at = models.DateTimeField(null=True, blank=True)  # the attempts ran out; staff can see why
+    last_attempt_at = models.DateTimeField(null=True, blank=True)
+    last_status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    last_error = models.CharField(max_length=500, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["alert", "webhook"], name="one_delivery_per_alert_and_webhook")]
+
+    def __str__(self) -> str:
+        return f"alert {self.alert_id} → webhook {self.webhook_id}: {self.status}"
+
+    @property
+    def status(self) -> str:
+        if self.sent_at is not None:
+            return "sent"
+        if self.gave_up_at is not None:
+            return "failed"
+        return "retrying" if self.attempts else "pending"
 
 
 class AuditEntry(models.Model):

@@ -1,5 +1,5 @@
 """Reconciliation: requests a crashed worker left "running" are failed and their reservations
-freed, and alerts that were never emailed are queued again."""
+freed, alerts that were never sent are queued again, and the spend forecasts are checked."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from .actions import Usage, do_record_usage, do_requeue_unsent_alerts
-from .guard import release, settle
+from .alerts import check_spend_forecasts
+from .guard import counter_store, release, settle
 from .models import TokenLog
 
 log = logging.getLogger(__name__)
@@ -68,5 +69,18 @@ def reconcile_forever(stop: threading.Event, every_s: float) -> None:
             release_lost_requests()
             retry_unsettled()
             do_requeue_unsent_alerts()
+            check_spend_forecasts_once_per(every_s)
         except Exception:  # noqa: BLE001 - reconciliation must never take the worker down
             log.exception("reconciliation failed")
+
+
+FORECAST_LOCK_KEY = "ceiling:forecast-check"
+
+
+def check_spend_forecasts_once_per(every_s: float) -> bool:
+    """Projected and spike alerts, by one worker per interval (a Redis lock that expires): every
+    worker running the same ledger-wide aggregates each minute would only repeat each other."""
+    if not counter_store().client.set(FORECAST_LOCK_KEY, "1", nx=True, ex=max(1, int(every_s) - 1)):
+        return False
+    check_spend_forecasts()
+    return True

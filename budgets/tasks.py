@@ -1,10 +1,11 @@
-"""Celery tasks of the "default" queue: spend-alert emails."""
+"""Celery tasks of the "default" queue: spend-alert emails and webhook deliveries, one task per channel."""
 
 from __future__ import annotations
 
 from celery import shared_task
 
 from .alerts import AlertNotSent, deliver_alert
+from .webhooks import MAX_ATTEMPTS, TIMEOUT_S, WebhookNotSent, deliver_webhook, retry_countdown
 
 ALERT_EMAIL_RETRIES = 5
 ALERT_EMAIL_FIRST_RETRY_S = 60
@@ -31,3 +32,25 @@ def send_alert_email(self, alert_id: int) -> bool:
     except AlertNotSent as exc:
         # 1, 2, 4, 8, 16 minutes: a mail server down for half an hour still gets the alert out.
         raise self.retry(exc=exc, countdown=ALERT_EMAIL_FIRST_RETRY_S * 2**self.request.retries) from exc
+
+
+@shared_task(
+    bind=True,
+    name="budgets.send_alert_webhook",
+    queue="default",
+    ignore_result=True,
+    # The row counts the attempts (a sweep's new task included); this is only Celery's backstop.
+    max_retries=MAX_ATTEMPTS - 1,
+    soft_time_limit=TIMEOUT_S + 20,
+    time_limit=TIMEOUT_S + 30,
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
+def send_alert_webhook(self, delivery_id: int) -> bool:
+    """POST one alert to one webhook once. Its own task, so a failing receiver delays no other channel."""
+    try:
+        return deliver_webhook(delivery_id)
+    except WebhookNotSent as exc:
+        if exc.gave_up:
+            return False  # out of attempts: failed on the alerts page, not retried again
+        raise self.retry(exc=exc, countdown=retry_countdown(self.request.retries)) from exc

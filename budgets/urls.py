@@ -1,6 +1,6 @@
 from django.urls import path
 
-from .views import config, costmodel, logs, overview
+from .views import alerts, config, costmodel, logs, overview
 
 urlpatterns = [
     path("staff/", overview.overview, name="staff-overview"),
@@ -15,5 +15,7 @@ urlpatterns = [
     path("staff/providers/", config.providers, name="staff-providers"),
     path("staff/providers/<int:provider_id>/", config.provider_detail, name="staff-provider"),
     path("staff/audit/", config.audit, name="staff-audit"),
+    path("staff/alerts/", alerts.alerts, name="staff-alerts"),
+    path("staff/alerts/webhooks/<int:webhook_id>/", alerts.webhook_detail, name="staff-webhook"),
     path("usage/", logs.my_usage, name="my-usage"),
 ]

@@ -43,6 +43,7 @@ class Gauge:
     cap: int | None
     money: bool = False
     uncapped: str = "no cap"
+    forecast: str = ""  # a cost cap's projection, "runs out 18 Dec 14:00 (13 days early)" (budgets.forecast)
 
     def _text(self, amount: int) -> str:
         return format_usd(amount) if self.money else f"{amount:,}"

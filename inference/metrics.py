@@ -29,11 +29,13 @@ from functools import lru_cache
 import redis
 from django.conf import settings
 from django.http import Http404, HttpRequest, HttpResponse
+from django.utils import timezone
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from budgets.forecast import all_cost_caps, forecasts
 from budgets.models import TokenLog
 
 from .bus.stats import read_engine_stats
@@ -194,6 +196,29 @@ class CeilingCollector:
             fields = [(*json.loads(raw_field), raw_value) for raw_field, raw_value in stored.items()]
             yield self._histogram(spec, fields) if spec.kind == "histogram" else self._counter(spec, fields)
         yield from self._engine_gauges(read_engine_stats())
+        yield self._exhaustion_gauge()
+
+    @staticmethod
+    def _exhaustion_gauge() -> GaugeMetricFamily:
+        """Seconds until each cost cap runs out at the current rate, from the ledger at scrape time
+        (a few GROUP BY day queries): 0 when spent, +Inf when it lasts until its period resets."""
+        # Not vLLM's, so not its "ceiling:" spelling: colons are meant for recording rules, and the
+        # issue that asked for it (and alert rules written against it) say ceiling_budget_exhaustion_seconds.
+        family = GaugeMetricFamily(
+            "ceiling_budget_exhaustion_seconds",
+            "Projected seconds until a cost cap is spent at the current rate (trailing 7 days, by weekday with 3 weeks of history); +Inf: lasts the period.",
+            labels=["scope_kind", "scope", "period"],
+        )
+        try:
+            now = timezone.now()
+            projections = forecasts(all_cost_caps(now), now)
+        except Exception:  # noqa: BLE001 - the request metrics must still be scraped when this fails
+            log.exception("metrics: budget forecasts failed")
+            return family
+        for projection in sorted(projections, key=lambda f: (f.cap.scope, f.cap.period)):
+            cap = projection.cap
+            family.add_metric([cap.scope_kind, cap.scope, cap.period], projection.seconds_left)
+        return family
 
     @staticmethod
     def _counter(spec: Spec, fields: list) -> CounterMetricFamily:

@@ -17,7 +17,7 @@ from django.urls import URLPattern, URLResolver, get_resolver
 
 from accounts.actions import do_create_api_key
 from accounts.models import ApiKey
-from budgets.models import Provider, TokenLog
+from budgets.models import AlertWebhook, Provider, TokenLog
 from inference.models import BatchJob
 
 pytestmark = pytest.mark.django_db
@@ -63,9 +63,10 @@ def objects(alice, staff, chat_feature):
     job = BatchJob.objects.create(feature=chat_feature, user=alice, total=0)
     key, _ = do_create_api_key(alice, "notebook")
     row = alices_request(alice, chat_feature)
+    hook = AlertWebhook.objects.create(provider=provider, url="http://127.0.0.1:9/hook", secret="s")
     return {
         "user_id": alice.pk, "feature_id": chat_feature.pk, "provider_id": provider.pk, "job_id": job.pk,
-        "key_id": key.pk, "request_id": row.request_id,
+        "key_id": key.pk, "request_id": row.request_id, "webhook_id": hook.pk,
     }
 
 

@@ -7,7 +7,7 @@ from the TokenLog ledger by budgets.usage, one aggregate query per page, never r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from django.contrib import messages
@@ -20,6 +20,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 
 from ..actions import do_save_with_audit, do_set_quota, snapshot
+from ..forecast import forecasts_by_scope, provider_caps, user_caps
 from ..forms import (
     AuditFilterForm,
     CapsForm,
@@ -74,15 +75,26 @@ def users(request: HttpRequest) -> HttpResponse:
     quotas = Quota.objects.filter(feature__isnull=True).filter(Q(user_id__in=ids) | Q(user__isnull=True))
     defaults = {q.period: q for q in quotas if q.user_id is None}
     own = {(q.user_id, q.period): q for q in quotas if q.user_id is not None}
+    projected = forecasts_by_scope(user_caps(timezone.now(), user_ids=ids), timezone.now())
     rows = []
     for person in page:
         used = usage.get(person.pk, NO_USAGE)
         # A user's own row replaces the default for its period as a whole (as in the guard).
         caps = {period: caps_of(own.get((person.pk, period)) or defaults.get(period)) for period in Period.values}
         own_periods = [period for period in Period.values if (person.pk, period) in own]
-        day, month = (gauges(used[period], caps[period]) for period in (Period.DAY, Period.MONTH))
+        day, month = (
+            with_forecast(gauges(used[period], caps[period]), projected.get((f"user:{person.get_username()}", period)))
+            for period in (Period.DAY, Period.MONTH)
+        )
         rows.append(UserRow(person, own_periods, day, month))
     return render(request, "budgets/users.html", {"page": page, "rows": rows, "search": search, "query": query})
+
+
+def with_forecast(row: list[Gauge], projection) -> list[Gauge]:
+    """The gauges with the cost cap's projection beside it (the last gauge is the cost)."""
+    if projection is None:
+        return row
+    return [*row[:-1], replace(row[-1], forecast=projection.text)]
 
 
 @staff_required
@@ -99,10 +111,12 @@ def user_detail(request: HttpRequest, user_id: int) -> HttpResponse:
         form.used = (usage.get(form.feature.pk, NO_USAGE) if form.feature else total)[form.period]
         form.default_text = describe_caps(form.default_caps)
     scoped = {(q.user_id is not None, q.period): q for q in quotas if q.feature_id is None}
+    projected = forecasts_by_scope(user_caps(timezone.now(), user_ids=[person.pk]), timezone.now())
     summary = []
     for period, label in ((Period.DAY, "Today"), (Period.MONTH, "This month")):
         caps, own = effective_caps(scoped, period)
-        summary.append({"label": label, "own": own, "gauges": gauges(total[period], caps)})
+        row = with_forecast(gauges(total[period], caps), projected.get((f"user:{person.get_username()}", period)))
+        summary.append({"label": label, "own": own, "gauges": row})
     context = {"person": person, "scopes": _scopes(forms), "summary": summary, "for_user": True}
     return render(request, "budgets/user_detail.html", context)
 
@@ -178,10 +192,16 @@ def providers(request: HttpRequest) -> HttpResponse:
         messages.success(request, f"Saved the new provider {provider.name}.")
         return redirect("staff-provider", provider.pk)
     rows = list(Provider.objects.annotate(price_count=Count("prices")).order_by("name"))
-    usage = usage_by(TokenLog.objects.all(), "provider_id", timezone.now())
+    now = timezone.now()
+    usage = usage_by(TokenLog.objects.all(), "provider_id", now)
+    projected = forecasts_by_scope(provider_caps(rows), now)
     for provider in rows:
         spent = usage.get(provider.pk, NO_USAGE)[Period.MONTH].cost_micro_usd
-        provider.spend = Gauge(spent, provider.monthly_limit_micro_usd, money=True, uncapped="no limit")
+        projection = projected.get((f"provider:{provider.name}", Period.MONTH))
+        provider.spend = Gauge(
+            spent, provider.monthly_limit_micro_usd, money=True, uncapped="no limit",
+            forecast=projection.text if projection else "",
+        )
     return render(request, "budgets/providers.html", {"providers": rows, "form": form})
 
 

@@ -1,0 +1,127 @@
+"""Alert webhooks: one signed POST per alert and webhook, claimed once, retried until sent or given up.
+
+    deliver_webhook(delivery_id)   # in the webhook task: claim, POST once, record the attempt
+
+The body is JSON: Ceiling's own (every field of the alert, and its sentence as `text`) or, for
+Slack-compatible receivers, `{"text": ...}` alone. Every POST carries
+
+    X-Ceiling-Signature: sha256=<hex HMAC-SHA256 of the exact body bytes, keyed by the webhook's secret>
+    X-Ceiling-Delivery: <delivery id>   (the same on every attempt: a receiver dedupes by it)
+
+A receiver checks the signature before it believes anything in the body. Our side sends each
+delivery until one attempt gets a 2xx; a receiver that took the POST but whose answer was lost
+sees it again, with the same X-Ceiling-Delivery.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+
+import httpx2 as httpx
+from django.utils import timezone
+
+from .actions import do_claim_delivery, do_finish_delivery
+from .alerts import alert_email
+from .models import Alert, AlertWebhook, WebhookDelivery
+
+log = logging.getLogger(__name__)
+
+SIGNATURE_HEADER = "X-Ceiling-Signature"
+DELIVERY_HEADER = "X-Ceiling-Delivery"
+MAX_ATTEMPTS = 6  # the first POST and five retries: 1, 2, 4, 8, 16 minutes apart
+FIRST_RETRY_S = 60
+TIMEOUT_S = 10.0  # a receiver slower than this counts as failed and is tried again later
+SECRET_BYTES = 32
+
+
+class WebhookNotSent(RuntimeError):
+    """One attempt failed; the claim is released so a retry can take it (unless `gave_up`)."""
+
+    def __init__(self, message: str, *, gave_up: bool) -> None:
+        super().__init__(message)
+        self.gave_up = gave_up
+
+
+def new_secret() -> str:
+    return secrets.token_urlsafe(SECRET_BYTES)
+
+
+def sign(secret: str, body: bytes) -> str:
+    """The signature header's value for this body."""
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def retry_countdown(retries_so_far: int) -> int:
+    """Seconds before the next attempt: doubling from a minute, so an hour-long outage is bridged."""
+    return FIRST_RETRY_S * 2**retries_so_far
+
+
+def webhook_body(alert: Alert, body_format: str) -> bytes:
+    subject, text = alert_email(alert)
+    if body_format == AlertWebhook.BodyFormat.SLACK:
+        payload: dict = {"text": f"*{subject}*\n{text.strip()}"}
+    else:
+        payload = {
+            "id": alert.id,
+            "kind": alert.kind,
+            "scope": alert.scope,
+            "threshold_percent": alert.threshold,
+            "period": alert.period_key,
+            "spent_micro_usd": alert.spent_micro_usd,
+            "limit_micro_usd": alert.limit_micro_usd,
+            "projected_at": _iso(alert.projected_at),
+            "period_end": _iso(alert.period_end),
+            "created_at": _iso(alert.created_at),
+            "subject": subject,
+            "text": text.strip(),
+        }
+    return json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _iso(moment) -> str | None:
+    return timezone.localtime(moment).isoformat(timespec="seconds") if moment else None
+
+
+def deliver_webhook(delivery_id: int) -> bool:
+    """Claim the delivery and POST it once. True when this call sent it.
+
+    False when it was sent already, given up, disabled, or someone else holds the claim. Raises
+    WebhookNotSent when the receiver failed (connection error, timeout, or a status other than 2xx).
+    """
+    delivery = do_claim_delivery(delivery_id)
+    if delivery is None:
+        return False
+    hook = delivery.webhook
+    if not hook.enabled:  # switched off after the alert was raised: nobody wants it there any more
+        do_finish_delivery(delivery.id, status_code=None, error="webhook disabled", give_up=True)
+        return False
+    status_code, error = post(hook, delivery)
+    if not error:
+        do_finish_delivery(delivery.id, status_code=status_code)
+        return True
+    gave_up = delivery.attempts >= MAX_ATTEMPTS
+    do_finish_delivery(delivery.id, status_code=status_code, error=error, give_up=gave_up)
+    log.warning("webhook delivery %s, attempt %s: %s%s", delivery.id, delivery.attempts, error, " (giving up)" if gave_up else "")
+    raise WebhookNotSent(f"delivery {delivery.id}: {error}", gave_up=gave_up)
+
+
+def post(hook: AlertWebhook, delivery: WebhookDelivery) -> tuple[int | None, str]:
+    """(status code, error): error is "" for a 2xx answer."""
+    body = webhook_body(delivery.alert, hook.body_format)
+    headers = {
+        "Content-Type": "application/json",
+        "User-Agent": "Ceiling-Alerts/1",
+        SIGNATURE_HEADER: sign(hook.secret, body),
+        DELIVERY_HEADER: str(delivery.id),
+    }
+    try:
+        response = httpx.post(hook.url, content=body, headers=headers, timeout=TIMEOUT_S, follow_redirects=False)
+    except Exception as exc:  # noqa: BLE001 - whatever broke, the claim must be released and the error shown
+        return None, f"{type(exc).__name__}: {exc}"
+    if 200 <= response.status_code < 300:
+        return response.status_code, ""
+    return response.status_code, f"HTTP {response.status_code}: {response.text[:200]}"
