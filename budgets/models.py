@@ -221,10 +221,29 @@ class Quota(models.Model):
     max_cost_micro_usd = models.PositiveBigIntegerField(null=True, blank=True)
 
     class Meta:
+        # One constraint per scope shape, each on its non-null columns only: NULLs are distinct in
+        # a plain unique index, and SQLite (the default database) has no NULLS NOT DISTINCT.
         constraints = [
             models.UniqueConstraint(
-                fields=["user", "feature", "period"], name="one_quota_per_scope", nulls_distinct=False
-            )
+                fields=["user", "feature", "period"],
+                condition=models.Q(user__isnull=False, feature__isnull=False),
+                name="one_quota_per_user_feature",
+            ),
+            models.UniqueConstraint(
+                fields=["user", "period"],
+                condition=models.Q(user__isnull=False, feature__isnull=True),
+                name="one_quota_per_user",
+            ),
+            models.UniqueConstraint(
+                fields=["feature", "period"],
+                condition=models.Q(user__isnull=True, feature__isnull=False),
+                name="one_default_quota_per_feature",
+            ),
+            models.UniqueConstraint(
+                fields=["period"],
+                condition=models.Q(user__isnull=True, feature__isnull=True),
+                name="one_default_quota",
+            ),
         ]
 
     def __str__(self) -> str:

@@ -27,10 +27,11 @@ from pathlib import Path
 
 import redis
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.db import connection, transaction
 from django.utils import timezone
 
+from accounts.management.database import DatabaseCommand
 from budgets import guard
 from budgets.actions import Usage as LedgerUsage
 from budgets.actions import do_record_usage
@@ -69,7 +70,7 @@ class LevelResult:
     database: str | None  # the database vendor written to, None for Redis only
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = "Benchmark the budget guard against the local Redis: admit+settle p50/p99 and admissions/s."
 
     def add_arguments(self, parser) -> None:

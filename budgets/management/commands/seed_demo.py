@@ -8,14 +8,14 @@ import os
 import secrets
 
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand
 
+from accounts.management.database import DatabaseCommand
 from budgets.models import Feature
 
 DEMO_USERS = (("staff", True), ("alice", False))
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = "Create the demo users (staff, alice) and the chat feature; prints new passwords once."
 
     def handle(self, *args, **options) -> None:

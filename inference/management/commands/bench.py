@@ -8,8 +8,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts.management.database import DatabaseCommand
 from inference.engine.bench import report
 from inference.engine.bench.measure import BenchError, machine_facts, measured_flops, roofline_tokens_per_s
 from inference.engine.bench.modes import run_in_child
@@ -23,7 +24,7 @@ DEFAULT_MODES = ALL_MODES[:-1]  # peer runs when --peer names a server
 QUICK_REQUESTS = 24
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = "Replay one fixed workload through several serving modes and report them side by side (vLLM's metrics)."
 
     def add_arguments(self, parser) -> None:
