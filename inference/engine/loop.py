@@ -71,6 +71,11 @@ class Engine:
         self._peak_running = 0
         self._restarts = 0
         self._recent_tokens: deque[tuple[float, int]] = deque()
+        self._recent_prefill: deque[tuple[float, int]] = deque()  # (when the first token came, prompt tokens)
+        # The highest 10-second rates seen: what the machine has shown it can do, which is what a
+        # self-hosted price per token divides the hourly cost by (budgets/selfhosted.py).
+        self._peak_tokens_per_s = 0.0
+        self._peak_prefill_tokens_per_s = 0.0
         self.weights_bytes = 0
         self.skinny_buckets: list[int] = []  # decode row buckets computed as W·xᵀ (inference/engine/patches/linears.py)
         self.q4_max_rows = 0  # steps of up to this many rows read the 4-bit weights (q4 variant only)
@@ -214,6 +219,7 @@ class Engine:
         engine_id = f"{request_id}#{uuid.uuid4().hex[:8]}"
         eos_ids = set(self.eos_ids_list())
         handle = RequestHandle(self, request_id, engine_id, eos_ids, listener)
+        handle.prompt_tokens = len(input_ids)
         with self._lock:
             self._handles[engine_id] = handle
             self._by_request[request_id] = engine_id
@@ -276,6 +282,8 @@ class Engine:
         with self._lock:
             self._tokens_generated += max(new, 0)
             self._recent_tokens.append((now, max(new, 0)))
+            if new > 0 and not handle.tokens:  # its first token: the prompt has been prefilled
+                self._recent_prefill.append((now, handle.prompt_tokens))
         handle.last_output_at = now
         if handle.listener is None:
             handle.outputs.put(output)
@@ -326,6 +334,10 @@ class Engine:
     def stats(self) -> EngineStats:
         running, waiting = scheduler_counts(self.manager)
         used, total = kv_block_usage(self.manager, self.config.num_blocks)
+        tokens_per_s = self._rate(self._recent_tokens)
+        prefill_tokens_per_s = self._rate(self._recent_prefill)
+        self._peak_tokens_per_s = max(self._peak_tokens_per_s, tokens_per_s)
+        self._peak_prefill_tokens_per_s = max(self._peak_prefill_tokens_per_s, prefill_tokens_per_s)
         return EngineStats(
             model=self.config.model_dir.name,
             device=self.config.device,
@@ -334,7 +346,10 @@ class Engine:
             kv_blocks_used=used,
             kv_blocks_total=total,
             tokens_generated=self._tokens_generated,
-            tokens_per_s=round(self._tokens_per_s(), 2),
+            tokens_per_s=round(tokens_per_s, 2),
+            prefill_tokens_per_s=round(prefill_tokens_per_s, 2),
+            peak_tokens_per_s=round(self._peak_tokens_per_s, 2),
+            peak_prefill_tokens_per_s=round(self._peak_prefill_tokens_per_s, 2),
             requests_finished=self._requests_finished,
             peak_running=self._peak_running,
             restarts=self._restarts,
@@ -343,11 +358,12 @@ class Engine:
             loop=self.loop,
         )
 
-    def _tokens_per_s(self, window_s: float = 10.0) -> float:
+    def _rate(self, recent: deque[tuple[float, int]], window_s: float = 10.0) -> float:
+        """Tokens per second over the last window_s seconds of (time, tokens) events."""
         now = time.monotonic()
         with self._lock:
-            while self._recent_tokens and now - self._recent_tokens[0][0] > window_s:
-                self._recent_tokens.popleft()
-            total = sum(n for _, n in self._recent_tokens)
+            while recent and now - recent[0][0] > window_s:
+                recent.popleft()
+            total = sum(n for _, n in recent)
         return total / window_s
 
