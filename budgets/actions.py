@@ -334,7 +334,7 @@ def do_save_provider(
 ) -> list[AuditEntry]:
     """Save a provider's settings with their audit entries; a changed hourly cost or utilisation
     re-derives the price of its local model (`model`) in the same transaction."""
-    target = f"provider {(before or {}).get('name', provider.name)}"  # the name it had, if renamed
+    target = f"provider {provider.name}"
     with transaction.atomic():
         entries = do_save_with_audit(actor, provider, fields, before, target=target)
         if any(audit_field(name) in {entry.field for entry in entries} for name in LOCAL_COST_FIELDS):
