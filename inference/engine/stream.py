@@ -41,9 +41,10 @@ class EngineStats:
     quantization: str = "none"
     loop: str = "transformers"  # which decode loop runs: "owned" (inference/engine/owned/) or "transformers"
     weights_bytes: int = 0  # memory of the loaded weights (int8 layers counted at one byte per weight)
-    prefill_tokens_per_s: float = 0.0  # prompt tokens prefilled per second over the last 10 s
-    peak_tokens_per_s: float = 0.0  # the highest 10 s decode rate since the engine started
-    peak_prefill_tokens_per_s: float = 0.0  # the highest 10 s prefill rate since the engine started
+    busy_tokens_per_s: float = 0.0  # decode over the last 10 s, idle gaps left out (0: too few tokens to tell)
+    prefill_tokens_per_s: float = 0.0  # the last request's prompt tokens ÷ its time to first token
+    peak_tokens_per_s: float = 0.0  # the highest busy decode rate since the engine started
+    peak_prefill_tokens_per_s: float = 0.0  # the highest prefill rate of one request since it started
     updated_at: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict:
@@ -71,6 +72,7 @@ class RequestHandle:
         self.outputs: queue.Queue = queue.Queue()
         self.tokens: list[int] = []
         self.prompt_tokens = 0  # set by Engine.submit; counted as prefilled when the first token comes
+        self.submitted_at = time.monotonic()
         self.last_output_at = time.monotonic()  # when the engine last produced something for it
 
     def events(self, timeout: float) -> Iterator[StreamEvent]:
