@@ -119,6 +119,22 @@ def test_a_command_says_when_the_database_server_cannot_be_reached():
     assert "Traceback" not in result.stderr
 
 
+def test_the_benches_need_the_database_only_for_the_runs_that_write_it(tmp_path):
+    path = tmp_path / "empty.sqlite3"
+    # --requests 0 stops the run in handle(), past the point where the database check would refuse.
+    result = manage(f"sqlite:///{path}", "bench", "--modes", "engine", "--requests", "0")
+    assert result.returncode == 1 and result.stderr == "CommandError: --requests must be at least 1\n"
+    bench = load_command_class("inference", "bench")
+    options = lambda *args: vars(bench.create_parser("manage.py", "bench").parse_args(args))  # noqa: E731
+    assert not bench.needs_database(options("--modes", "engine,prefix"))
+    assert bench.needs_database(options())  # the default modes include the stack
+    guard = load_command_class("budgets", "bench_guard")
+    guard_options = lambda *args: vars(guard.create_parser("manage.py", "bench_guard").parse_args(args))  # noqa: E731
+    assert not guard.needs_database(guard_options("--level", "counters"))  # Redis alone
+    assert guard.needs_database(guard_options())  # the guard level writes ledger rows
+    assert not guard.needs_database(guard_options("--n", "0"))  # refused by handle() first
+
+
 def test_every_command_of_ours_that_opens_the_database_checks_it_first():
     ours = {name: app for name, app in get_commands().items() if app in OUR_APPS}
     assert WITHOUT_DATABASE <= set(ours)

@@ -62,6 +62,11 @@ def require_migrated_database(alias: str = DEFAULT_DB_ALIAS) -> None:
 class DatabaseCommand(BaseCommand):
     """A command that reads or writes the database: refuses in one sentence when it is not migrated."""
 
+    def needs_database(self, options: dict) -> bool:
+        """Whether this run opens the database; a command with runs that do not says so here."""
+        return True
+
     def execute(self, *args, **options):
-        require_migrated_database()
+        if self.needs_database(options):
+            require_migrated_database()
         return super().execute(*args, **options)
