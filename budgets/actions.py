@@ -12,8 +12,20 @@ from django.db import IntegrityError, models, transaction
 from django.utils import timezone
 
 from .live import publish_on_commit
-from .models import Alert, AlertWebhook, AuditEntry, Feature, Quota, TokenLog, WebhookDelivery, unique_row
+from .models import (
+    Alert,
+    AlertWebhook,
+    AuditEntry,
+    Feature,
+    ModelPrice,
+    Provider,
+    Quota,
+    TokenLog,
+    WebhookDelivery,
+    unique_row,
+)
 from .money import exact_usd
+from .selfhosted import LocalCost
 
 
 @dataclass(frozen=True)
@@ -251,6 +263,7 @@ def do_finish_delivery(delivery_id: int, *, status_code: int | None, error: str 
 
 QUOTA_FIELDS = ("max_requests", "max_tokens", "max_cost_micro_usd")
 _ABSENT = object()  # a user scope without a row of its own: the default applies
+NOT_CAPS = {"hourly_cost_micro_usd"}  # money that is not a limit: empty reads "none", not "no cap"
 
 
 def audit_text(field: str, value: object) -> str:
@@ -258,7 +271,8 @@ def audit_text(field: str, value: object) -> str:
     if value is _ABSENT:
         return "default"
     if value is None:
-        return "no cap" if field.startswith("max_") or field.endswith("_micro_usd") else "none"
+        is_cap = field.startswith("max_") or (field.endswith("_micro_usd") and field not in NOT_CAPS)
+        return "no cap" if is_cap else "none"
     if isinstance(value, bool):
         return "yes" if value else "no"
     if field.endswith("_micro_usd") and isinstance(value, int):
@@ -404,3 +418,93 @@ def do_delete_webhook(actor: AbstractBaseUser | None, hook: AlertWebhook) -> lis
         entries = _record(actor, "delete", webhook_target(hook), {"url": (hook.url, "")})
         hook.delete()
         return entries
+
+
+# --- providers and the self-hosted price ------------------------------------------------------------
+
+LOCAL_COST_FIELDS = ("hourly_cost_micro_usd", "utilisation_percent")
+PRICE_FIELDS = (
+    "model",
+    "input_per_million_micro_usd",
+    "output_per_million_micro_usd",
+    "cached_input_per_million_micro_usd",
+    "effective_from",
+)
+# A worker's rate is recorded only when it beats the stored one by this much: the peaks creep up
+# under load, and a new price row for every percent would bury the price history.
+THROUGHPUT_NEWS = 1.05
+
+
+def do_save_provider(
+    actor: AbstractBaseUser | None, provider: Provider, fields: Sequence[str], before: dict[str, object] | None,
+    *, model: str,
+) -> list[AuditEntry]:
+    """Save a provider's settings with their audit entries; a changed hourly cost or utilisation
+    re-derives the price of its local model (`model`) in the same transaction."""
+    target = f"provider {provider.name}"
+    with transaction.atomic():
+        entries = do_save_with_audit(actor, provider, fields, before, target=target)
+        if any(audit_field(name) in {entry.field for entry in entries} for name in LOCAL_COST_FIELDS):
+            do_price_local_tokens(actor, provider, model)
+    return entries
+
+
+def do_price_local_tokens(
+    actor: AbstractBaseUser | None, provider: Provider, model: str, *, at: datetime | None = None
+) -> ModelPrice | None:
+    """A new `measured` price for a local provider's model from its hourly cost, utilisation and
+    throughput, with its audit entries; None when those give no price or the price in force already."""
+    cost = LocalCost.of(provider)
+    if cost is None:
+        return None
+    at = at or timezone.now()
+    price = cost.price(provider, model, at)
+    current = unique_row(
+        ModelPrice.objects.filter(provider=provider, model=model, effective_from__lte=at).order_by("-effective_from")
+    )
+    if current is not None and _same_price(current, price):
+        return None
+    do_save_with_audit(actor, price, PRICE_FIELDS, None, target=f"price {provider.name}/{model}")
+    return price
+
+
+def _same_price(a: ModelPrice, b: ModelPrice) -> bool:
+    return all(getattr(a, name) == getattr(b, name) for name in PRICE_FIELDS[1:4])
+
+
+def do_record_throughput(
+    decode_tokens_per_s: float, prefill_tokens_per_s: float, *, model: str, at: datetime | None = None
+) -> list[ModelPrice]:
+    """A worker's measured peak rates, for every local provider; those with an hourly cost are re-priced.
+
+    Kept: the highest rates any worker has shown (a restarted worker's first quiet minutes must not
+    make tokens dearer), except that the first real measurement replaces seed_demo's assumption.
+    Returns the new price rows.
+    """
+    if decode_tokens_per_s <= 0:
+        return []  # nothing generated yet: no figure to divide by
+    at = at or timezone.now()
+    prices = []
+    with transaction.atomic():
+        for provider in Provider.objects.select_for_update().filter(kind=Provider.Kind.LOCAL).order_by("pk"):
+            rates = _recorded_rates(provider, decode_tokens_per_s, prefill_tokens_per_s)
+            if rates is None:
+                continue
+            provider.decode_tokens_per_s, provider.prefill_tokens_per_s = rates
+            provider.throughput_measured_at = at
+            provider.save(update_fields=["decode_tokens_per_s", "prefill_tokens_per_s", "throughput_measured_at"])
+            price = do_price_local_tokens(None, provider, model, at=at)
+            if price is not None:
+                prices.append(price)
+    return prices
+
+
+def _recorded_rates(provider: Provider, decode: float, prefill: float) -> tuple[float, float | None] | None:
+    """The rates to store for this report, or None when it brings nothing new."""
+    if provider.throughput_measured_at is None:  # never measured, or only assumed
+        return decode, prefill or None
+    stored_decode = provider.decode_tokens_per_s or 0.0
+    stored_prefill = provider.prefill_tokens_per_s or 0.0
+    if decode < stored_decode * THROUGHPUT_NEWS and prefill < stored_prefill * THROUGHPUT_NEWS:
+        return None
+    return max(decode, stored_decode), max(prefill, stored_prefill) or None

@@ -252,11 +252,16 @@ class ProviderForm(forms.ModelForm):
     recipients = forms.CharField(
         label="Alert recipients", required=False, help_text="Email addresses, separated by commas."
     )
+    hourly_cost_usd = DollarsField(
+        label="Machine cost per hour ($)", required=False,
+        help_text="Local only: prices its tokens from the workers' measured throughput. Empty: priced by hand.",
+    )
 
     class Meta:
         model = Provider
-        fields = ["name", "kind", "base_url", "remote_model", "api_key_env"]
-        labels = {"base_url": "Server URL", "api_key_env": "API key environment variable"}
+        fields = ["name", "kind", "base_url", "remote_model", "api_key_env", "utilisation_percent"]
+        labels = {"base_url": "Server URL", "api_key_env": "API key environment variable",
+                  "utilisation_percent": "Expected utilisation (%)"}
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -265,8 +270,11 @@ class ProviderForm(forms.ModelForm):
             self.initial.setdefault("monthly_limit_usd", dollars_text(provider.monthly_limit_micro_usd))
             self.initial.setdefault("thresholds", ", ".join(str(t) for t in provider.alert_thresholds))
             self.initial.setdefault("recipients", ", ".join(provider.recipients()))
+            self.initial.setdefault("hourly_cost_usd", dollars_text(provider.hourly_cost_micro_usd))
         else:
             self.initial.setdefault("thresholds", "50, 80, 100")
+        # Not required: a form posted without it (a script, a remote provider) keeps the current value.
+        self.fields["utilisation_percent"].required = False
 
     def clean_name(self) -> str:
         name = self.cleaned_data["name"]
@@ -274,6 +282,10 @@ class ProviderForm(forms.ModelForm):
         if self.instance.pk and self.instance.name == "local" and name != "local":
             raise ValidationError("The provider “local” is the default one; its name cannot change.")
         return name
+
+    def clean_utilisation_percent(self) -> int:
+        value = self.cleaned_data.get("utilisation_percent")
+        return self.instance.utilisation_percent if value is None else value
 
     def clean_thresholds(self) -> list[int]:
         return parse_thresholds(self.cleaned_data["thresholds"])
@@ -296,6 +308,11 @@ class ProviderForm(forms.ModelForm):
             self.instance.alert_thresholds = cleaned["thresholds"]
         if "recipients" in cleaned:
             self.instance.alert_recipients = cleaned["recipients"]
+        if "hourly_cost_usd" in cleaned:
+            self.instance.hourly_cost_micro_usd = to_micro_usd(cleaned["hourly_cost_usd"])
+            if self.instance.hourly_cost_micro_usd is not None and cleaned.get("kind") != Provider.Kind.LOCAL:
+                self.add_error("hourly_cost_usd", "Only a local provider runs on a machine of ours; "
+                               "a remote server is priced per token (add a price below).")
         if cleaned.get("kind") == Provider.Kind.OPENAI_COMPATIBLE and not cleaned.get("base_url"):
             self.add_error("base_url", "An OpenAI-compatible provider needs the URL of its server (…/v1).")
         return cleaned

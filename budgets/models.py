@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django.conf import settings
-from django.core.validators import MinValueValidator, RegexValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
 
@@ -45,6 +45,20 @@ class Provider(models.Model):
     api_key_env = models.CharField(
         max_length=100, blank=True, help_text="name of the environment variable holding the server's API key"
     )
+    # For kind local: what the machine costs, so that its tokens are priced like a hosted model's
+    # (budgets/selfhosted.py). Empty: staff price the local model by hand, or it costs $0.
+    hourly_cost_micro_usd = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="What one worker machine costs per hour, in micro-dollars."
+    )
+    utilisation_percent = models.PositiveSmallIntegerField(
+        default=70, validators=[MinValueValidator(1), MaxValueValidator(100)],
+        help_text="The share of each hour the machine is expected to be serving.",
+    )
+    # The engine's measured throughput (the highest 10-second rates a worker has reported); set by
+    # the workers, or by seed_demo as an assumption (throughput_measured_at empty) until one does.
+    decode_tokens_per_s = models.FloatField(null=True, blank=True)
+    prefill_tokens_per_s = models.FloatField(null=True, blank=True)
+    throughput_measured_at = models.DateTimeField(null=True, blank=True)
 
     def __str__(self) -> str:
         return self.name
@@ -72,8 +86,11 @@ class ModelPrice(models.Model):
     class Source(models.TextChoices):
         CATALOG = "catalog"  # imported from tokencost's model_prices.json
         STAFF = "staff"  # typed by staff: an override the catalog import never replaces
+        MEASURED = "measured"  # self-hosted: the hourly cost ÷ the tokens per hour the engine serves
 
     source = models.CharField(max_length=16, choices=Source.choices, default=Source.STAFF)
+    # How a derived price came about, for the price history ("$3.60/h at 70%, 2,400 decode tok/s …").
+    basis = models.CharField(max_length=300, blank=True)
 
     class Meta:
         constraints = [
@@ -250,10 +267,29 @@ class Quota(models.Model):
     max_cost_micro_usd = models.PositiveBigIntegerField(null=True, blank=True)
 
     class Meta:
+        # One constraint per scope shape, each on its non-null columns only: NULLs are distinct in
+        # a plain unique index, and SQLite (the default database) has no NULLS NOT DISTINCT.
         constraints = [
             models.UniqueConstraint(
-                fields=["user", "feature", "period"], name="one_quota_per_scope", nulls_distinct=False
-            )
+                fields=["user", "feature", "period"],
+                condition=models.Q(user__isnull=False, feature__isnull=False),
+                name="one_quota_per_user_feature",
+            ),
+            models.UniqueConstraint(
+                fields=["user", "period"],
+                condition=models.Q(user__isnull=False, feature__isnull=True),
+                name="one_quota_per_user",
+            ),
+            models.UniqueConstraint(
+                fields=["feature", "period"],
+                condition=models.Q(user__isnull=True, feature__isnull=False),
+                name="one_default_quota_per_feature",
+            ),
+            models.UniqueConstraint(
+                fields=["period"],
+                condition=models.Q(user__isnull=True, feature__isnull=True),
+                name="one_default_quota",
+            ),
         ]
 
     def __str__(self) -> str:

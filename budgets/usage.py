@@ -16,7 +16,7 @@ from django.db.models import Count, F, Q, QuerySet, Sum
 
 from .actions import QUOTA_FIELDS
 from .counters import Usage
-from .guard import IN_FLIGHT, SETTLED, applicable_ceilings
+from .guard import IN_FLIGHT, SETTLED, applicable_ceilings, ledger_sums
 from .models import Feature, Period, Provider, Quota, TokenLog
 from .money import format_usd
 from .periods import describe_reset, period_bounds
@@ -447,3 +447,37 @@ def _cap_usage(i: int, ceiling, sums: dict, now: datetime) -> CapUsage:
     when = "Today" if ceiling.period == Period.DAY else "This month"
     where = "all features" if ceiling.scope == "user" else f"feature {ceiling.subject.removeprefix('your ')}"
     return CapUsage(ceiling.period, f"{when} · {where}", describe_reset(ceiling.period, now), allowances)
+
+
+# --- today's allowance: the chat page's line ------------------------------------------------------
+
+
+def today_allowance(user, now: datetime) -> dict | None:
+    """What is left today of the user's all-features daily cap, as the chat page shows it; None without one.
+
+    The cap is chosen as the guard chooses it (the user's own row replaces the default), and the
+    amounts are the guard's: settled usage plus what answers in progress still hold.
+        {"requests": {"limit": 20, "left": 17}, "tokens": {...}, "cost_usd": {"limit": "1.00", "left": "0.98"},
+         "resets": "at 00:00 UTC, in 3 h 12 min"}   (only the metrics the cap limits)
+    """
+    quotas = {q.user_id is not None: q for q in Quota.objects.filter(
+        Q(user=user) | Q(user__isnull=True), feature__isnull=True, period=Period.DAY)}
+    quota = quotas.get(True) or quotas.get(False)
+    if quota is None or all(value is None for value in caps_of(quota).values()):
+        return None
+    start, end = period_bounds(Period.DAY, now)
+    used, reserved = ledger_sums({"user_id": user.pk, "created_at__gte": start, "created_at__lt": end})
+    allowance: dict = {"resets": describe_reset(Period.DAY, now)}
+    for metric, limit, spent in (
+        ("requests", quota.max_requests, used.requests + reserved.requests),
+        ("tokens", quota.max_tokens, used.tokens + reserved.tokens),
+        ("cost_usd", quota.max_cost_micro_usd, used.cost_micro_usd + reserved.cost_micro_usd),
+    ):
+        if limit is None:
+            continue
+        left = max(0, limit - spent)
+        if metric == "cost_usd":
+            allowance[metric] = {"limit": f"{limit / 1_000_000:.6f}", "left": f"{left / 1_000_000:.6f}"}
+        else:
+            allowance[metric] = {"limit": limit, "left": left}
+    return allowance

@@ -14,16 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from contextlib import aclosing
 
 from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.db import DatabaseError
+from django.utils import timezone
 
 from budgets.live import DASHBOARD_GROUP
+from budgets.usage import today_allowance
 
 from .bus.stats import read_engine_stats
 from .web.chat_request import TERMINAL, run_chat
 from .web.frames import CancelFrame, ChatFrame, FrameError, parse_frame
+
+log = logging.getLogger(__name__)
+# The frames after which the chat page redraws "left today": the answer was settled, or refused.
+WITH_ALLOWANCE = frozenset({"done", "refused"})
 
 
 class ChatConsumer(AsyncWebsocketConsumer):
@@ -63,7 +72,18 @@ class ChatConsumer(AsyncWebsocketConsumer):
                     # next one at once; the chat request's clean-up after it (closing the request's queue)
                     # must not make that next frame "busy".
                     self._release_socket()
+                if event["type"] in WITH_ALLOWANCE:
+                    event = {**event, "allowance": await self._allowance()}
                 await self.send_json(event)
+
+    async def _allowance(self) -> dict | None:
+        # Read after the request settled (the worker settles before it sends done), so it counts it.
+        try:
+            return await database_sync_to_async(today_allowance)(self.user, timezone.now())
+        except DatabaseError:
+            # The answer must still reach the user; the page keeps its last allowance line.
+            log.warning("could not read today's allowance of user %s", self.user.pk, exc_info=True)
+            return None
 
     def _release_socket(self) -> None:
         if self.generation is asyncio.current_task():

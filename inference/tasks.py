@@ -16,6 +16,7 @@ from .bus.stats import publish_stats_forever
 from .engines import get_engine, process_stats, shutdown_engine
 from .worker import handles
 from .worker.generation import run_generation
+from .worker.throughput import report_throughput_forever
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,11 @@ def start_worker_services() -> None:
     if settings.CEILING_RECONCILE_EVERY_S > 0:
         threading.Thread(
             target=reconcile_forever, args=(_stop_services, settings.CEILING_RECONCILE_EVERY_S), name="reconciliation", daemon=True
+        ).start()
+    if settings.CEILING_THROUGHPUT_EVERY_S > 0:
+        threading.Thread(
+            target=report_throughput_forever, args=(_stop_services, settings.CEILING_THROUGHPUT_EVERY_S),
+            name="throughput-reporter", daemon=True,
         ).start()
     log.info("engine ready: %s", engine.stats().as_dict())
 

@@ -2,9 +2,11 @@ from django.conf import settings
 from django.contrib.auth.decorators import login_required
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
+from django.utils import timezone
 from django.views.decorators.http import require_GET
 
 from budgets.models import Feature, TokenLog
+from budgets.usage import today_allowance
 
 
 @login_required
@@ -17,6 +19,8 @@ def chat(request: HttpRequest) -> HttpResponse:
         "features": features,
         "default_max_tokens": settings.CEILING_DEFAULT_MAX_TOKENS,
         "max_tokens_limit": settings.CEILING_MAX_TOKENS_LIMIT,
+        # The same object `done` and `refused` frames carry: the page draws it and redraws it after each answer.
+        "allowance": today_allowance(request.user, timezone.now()),
     }
     return render(request, "inference/chat.html", {"chat_config": config})
 

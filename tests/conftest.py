@@ -85,6 +85,9 @@ def start_stack(redis_client: redis.Redis, name: str, worker_name: str, queue: s
         CEILING_METRICS_TOKEN="test-metrics-token",
         # Tests drive reconciliation and alert sending by hand; a worker's own sweep would race them.
         CEILING_RECONCILE_EVERY_S="0",
+        # Likewise a worker re-pricing local tokens in the middle of another test; tests/test_engine.py
+        # drives the report by hand.
+        CEILING_THROUGHPUT_EVERY_S="0",
         **({"CEILING_INFERENCE_QUEUE": queue} if queue else {}),
         **settings_env,
     )

@@ -11,11 +11,13 @@ import pytest
 import torch
 from django.conf import settings
 
-from budgets.models import TokenLog
+from budgets.models import ModelPrice, Provider, TokenLog
+from budgets.selfhosted import per_million_micro_usd
 from inference.actions import do_admit_request
 from inference.engine import Engine, EngineConfig, EngineError, Sampling, in_a_passing_thread
 from inference.engines import model_dir
 from inference.tasks import generate
+from inference.worker.throughput import report_throughput
 from tests.conftest import wait_for
 
 PROMPTS = [
@@ -221,7 +223,7 @@ def test_sampled_requests_stream_logprobs_on_the_owned_loop_and_are_refused_on_t
 
 
 def test_stats_report_batch_cache_and_throughput(engine):
-    handle = engine.submit("stats", engine.encode_chat([{"role": "user", "content": "Count to ten."}]), 20, ignore_eos=True)
+    handle = engine.submit("stats", engine.encode_chat([{"role": "user", "content": "Count to ten."}]), 40, ignore_eos=True)
     events = handle.events(timeout=60)
     next(events)
     during = engine.stats()
@@ -232,6 +234,27 @@ def test_stats_report_batch_cache_and_throughput(engine):
     assert after.tokens_generated >= during.tokens_generated + 1
     assert after.tokens_per_s > 0
     assert after.requests_finished >= 1
+    # 40 tokens in 10 s is the load; the busy rate is the speed they were generated at, far higher.
+    assert after.busy_tokens_per_s > after.tokens_per_s and after.peak_tokens_per_s >= after.busy_tokens_per_s
+    # Its prompt over the time to its first token: at least the prompt in the time the whole answer took.
+    prompt = len(engine.encode_chat([{"role": "user", "content": "Count to ten."}]))
+    assert after.prefill_tokens_per_s > prompt / 10
+    assert after.peak_prefill_tokens_per_s >= after.prefill_tokens_per_s
+
+
+@pytest.mark.django_db
+def test_the_engines_measured_rates_price_local_tokens(engine):
+    Provider.objects.create(name="local", hourly_cost_micro_usd=3_600_000, utilisation_percent=70)
+    # Enough tokens for a busy rate (BUSY_MIN_TOKENS), on an engine that may have been idle for long.
+    handle = engine.submit("priced", engine.encode_chat([{"role": "user", "content": "Say hello."}]), 48, ignore_eos=True)
+    list(handle.events(timeout=60))
+    assert report_throughput(engine) == 1
+    stats = engine.stats()
+    price = ModelPrice.objects.get(source=ModelPrice.Source.MEASURED)
+    # Peaks only rise: measured during report_throughput, they are what it priced from, or below now's.
+    assert price.output_per_million_micro_usd >= per_million_micro_usd(3_600_000, 70, stats.peak_tokens_per_s)
+    assert price.input_per_million_micro_usd >= per_million_micro_usd(3_600_000, 70, stats.peak_prefill_tokens_per_s)
+    assert price.model == settings.CEILING_MODEL_NAME and "measured by the workers" in price.basis
 
 
 PASSING_THREAD_SCRIPT = """

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
 import pytest
+from django.test import Client
+from django.utils import timezone
 
 from budgets.models import ModelPrice, Provider, Quota, TokenLog
 from tests.conftest import session_cookie
-from tests.wsclient import chat_frame, chat_socket, next_frame, read_until_end, send
+from tests.wsclient import chat, chat_frame, chat_socket, next_frame, read_until_end, send
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -46,6 +50,42 @@ def test_the_daily_request_cap_is_a_sentence_with_numbers(live_stack, alice, cha
     assert "resets at 00:00" in refused["message"]
     assert 0 < refused["retry_after_s"] <= 86400
     assert TokenLog.objects.filter(status=TokenLog.Status.REFUSED, refusal_code="user_requests_per_day").count() == 1
+
+
+def test_done_and_refused_carry_whats_left_today(live_stack, alice, chat_feature):
+    Quota.objects.create(user=alice, period="day", max_requests=2, max_tokens=5_000)
+    answered, refused = refusal_after(live_stack, session_cookie(alice), 2)
+    first, second = (frames[-1] for frames in answered)
+    # Read after each answer settled: it counts that answer's real tokens, nothing reserved.
+    used = TokenLog.objects.filter(user=alice, status=TokenLog.Status.OK).order_by("created_at")
+    tokens = [row.prompt_tokens + row.completion_tokens for row in used]
+    assert first["allowance"]["requests"] == {"limit": 2, "left": 1}
+    assert first["allowance"]["tokens"] == {"limit": 5_000, "left": 5_000 - tokens[0]}
+    assert second["allowance"]["requests"] == {"limit": 2, "left": 0}
+    assert second["allowance"]["tokens"]["left"] == 5_000 - sum(tokens)
+    assert "cost_usd" not in second["allowance"]  # no cost cap, nothing said about cost
+    assert refused["allowance"] == second["allowance"] | {"resets": refused["allowance"]["resets"]}
+    assert refused["allowance"]["resets"].startswith("at 00:00")
+
+
+def test_the_chat_page_starts_with_whats_left_today(alice, chat_feature):
+    Quota.objects.create(period="day", max_requests=20, max_cost_micro_usd=1_500_000)
+    TokenLog.objects.create(request_id="earlier", user=alice, feature=chat_feature, model="m", status=TokenLog.Status.OK,
+                            prompt_tokens=10, completion_tokens=5, cost_micro_usd=250_000, created_at=timezone.now())
+    client = Client()
+    client.force_login(alice)
+    page = client.get("/chat/")
+    config = json.loads(re.search(r'id="chat-config" type="application/json">(.*?)</script>', page.content.decode()).group(1))
+    allowance = config["allowance"]
+    assert allowance["requests"] == {"limit": 20, "left": 19}
+    assert allowance["cost_usd"] == {"limit": "1.500000", "left": "1.250000"}
+    assert "tokens" not in allowance and allowance["resets"].startswith("at 00:00")
+
+
+def test_without_a_daily_cap_the_allowance_is_null(live_stack, alice, chat_feature):
+    Quota.objects.create(period="month", max_requests=50)  # a cap, but not today's
+    *_, done = asyncio.run(chat(live_stack, session_cookie(alice), chat_frame("Say yes.", 2)))
+    assert done["type"] == "done" and done["allowance"] is None
 
 
 def test_the_daily_token_cap_cuts_max_tokens_then_refuses(live_stack, alice, chat_feature):

@@ -21,8 +21,8 @@ from project import stack
 def test_seed_demo_creates_users_once_and_prints_passwords_once(monkeypatch):
     monkeypatch.delenv("CEILING_DEMO_PASSWORD", raising=False)
     first, second = io.StringIO(), io.StringIO()
-    call_command("seed_demo", stdout=first)
-    call_command("seed_demo", stdout=second)
+    call_command("seed_demo", "--no-history", stdout=first)
+    call_command("seed_demo", "--no-history", stdout=second)
 
     assert User.objects.get(username="staff").is_staff
     assert not User.objects.get(username="alice").is_staff
@@ -36,7 +36,7 @@ def test_seed_demo_creates_users_once_and_prints_passwords_once(monkeypatch):
 @pytest.mark.django_db
 def test_seed_demo_uses_the_configured_password(monkeypatch):
     monkeypatch.setenv("CEILING_DEMO_PASSWORD", "demo-password-42")
-    call_command("seed_demo", stdout=io.StringIO())
+    call_command("seed_demo", "--no-history", stdout=io.StringIO())
     assert User.objects.get(username="staff").check_password("demo-password-42")
 
 

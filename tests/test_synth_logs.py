@@ -16,6 +16,7 @@ from django.db.models import Count, Sum
 from django.utils import timezone
 
 from budgets.models import Feature, ModelPrice, Provider, TokenLog
+from project import stack
 
 pytestmark = pytest.mark.django_db
 
@@ -143,7 +144,9 @@ def test_bad_arguments_are_refused(args, message):
 def test_bad_arguments_exit_non_zero_from_the_shell():
     result = subprocess.run(
         [sys.executable, "manage.py", "synth_logs", "--users", "0"],
-        cwd=settings.BASE_DIR, env=os.environ.copy(), capture_output=True, text=True, timeout=60,
+        cwd=settings.BASE_DIR, capture_output=True, text=True, timeout=60,
+        # The test database: a command that needs the database first checks that it is migrated.
+        env={**os.environ, "DATABASE_URL": stack.database_url(settings.DATABASES["default"])},
     )
     assert result.returncode != 0
     assert "--users must be between" in result.stderr

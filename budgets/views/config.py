@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from datetime import datetime
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth import get_user_model
 from django.core.paginator import Page, Paginator
@@ -19,7 +20,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 
-from ..actions import do_save_with_audit, do_set_quota, snapshot
+from ..actions import PRICE_FIELDS, do_save_provider, do_save_with_audit, do_set_quota, snapshot
 from ..forecast import forecasts_by_scope, provider_caps, user_caps
 from ..forms import (
     AuditFilterForm,
@@ -35,20 +36,15 @@ from ..forms import (
 from ..models import AuditEntry, Feature, ModelPrice, Period, Provider, Quota, TokenLog
 from ..money import exact_usd, format_usd
 from ..permissions import staff_required
+from ..selfhosted import LocalCost
 from ..usage import NO_USAGE, Gauge, caps_of, effective_caps, gauges, total_usage, usage_by
 
 USERS_PER_PAGE = 50
 AUDIT_PER_PAGE = 50
 PRICES_PER_PAGE = 50
 FEATURE_FIELDS = ("name", "description", "enabled", "max_input_tokens", "max_output_tokens", "provider", "fallback")
-PROVIDER_FIELDS = ("name", "kind", "monthly_limit_micro_usd", "alert_thresholds", "alert_recipients")
-PRICE_FIELDS = (
-    "model",
-    "input_per_million_micro_usd",
-    "output_per_million_micro_usd",
-    "cached_input_per_million_micro_usd",
-    "effective_from",
-)
+PROVIDER_FIELDS = ("name", "kind", "monthly_limit_micro_usd", "alert_thresholds", "alert_recipients",
+                   "hourly_cost_micro_usd", "utilisation_percent")
 
 
 # --- users and their caps ------------------------------------------------------------------------
@@ -188,7 +184,7 @@ def providers(request: HttpRequest) -> HttpResponse:
     form = ProviderForm(request.POST if request.method == "POST" else None)
     if form.is_bound and form.is_valid():
         provider = form.instance
-        do_save_with_audit(request.user, provider, PROVIDER_FIELDS, None, target=f"provider {provider.name}")
+        do_save_provider(request.user, provider, PROVIDER_FIELDS, None, model=settings.CEILING_MODEL_NAME)
         messages.success(request, f"Saved the new provider {provider.name}.")
         return redirect("staff-provider", provider.pk)
     rows = list(Provider.objects.annotate(price_count=Count("prices")).order_by("name"))
@@ -209,12 +205,13 @@ def providers(request: HttpRequest) -> HttpResponse:
 def provider_detail(request: HttpRequest, provider_id: int) -> HttpResponse:
     provider = get_object_or_404(Provider, pk=provider_id)
     before = snapshot(provider, PROVIDER_FIELDS)
+    local_cost = LocalCost.of(provider)  # now: a form that fails validation has changed the instance
     posted = request.POST.get("form") if request.method == "POST" else None
     provider_form = ProviderForm(request.POST if posted == "provider" else None, instance=provider)
     models = known_models(provider)
     price_form = PriceForm(request.POST if posted == "price" else None, provider=provider, known_models=models)
     if posted == "provider" and provider_form.is_valid():
-        entries = do_save_with_audit(request.user, provider, PROVIDER_FIELDS, before, target=f"provider {provider.name}")
+        entries = do_save_provider(request.user, provider, PROVIDER_FIELDS, before, model=settings.CEILING_MODEL_NAME)
         flash_saved(request, len(entries))
         return redirect("staff-provider", provider.pk)
     if posted == "price" and price_form.is_valid():
@@ -226,6 +223,9 @@ def provider_detail(request: HttpRequest, provider_id: int) -> HttpResponse:
         messages.error(request, "Nothing was saved: please correct the errors below.")
     context = {
         "provider": provider,
+        "local_cost": local_cost,
+        "local_cost_output": exact_usd(local_cost.output_per_million()) if local_cost else "",
+        "local_cost_input": exact_usd(local_cost.input_per_million()) if local_cost else "",
         "name": before["name"],
         "provider_form": provider_form,
         "price_form": price_form,

@@ -16,6 +16,7 @@ prefixes). Facts that shape this file (docs/engine.md, checked on transformers 5
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -53,6 +54,13 @@ def in_a_passing_thread(work):
         return executor.submit(work).result()
 
 
+# Outputs further apart than this mean the engine was idle in between (a CPU decode step with a
+# full batch takes well under a second); BUSY_MIN_TOKENS generated are needed before a busy rate
+# counts (fewer, and one slow step decides it).
+IDLE_GAP_S = 2.0
+BUSY_MIN_TOKENS = 32
+
+
 class Engine:
     """Loads the model once and serves many concurrent streaming requests from it."""
 
@@ -71,6 +79,12 @@ class Engine:
         self._peak_running = 0
         self._restarts = 0
         self._recent_tokens: deque[tuple[float, int]] = deque()
+        # What the machine has shown it can do, which a self-hosted price per token divides the
+        # hourly cost by (budgets/selfhosted.py): the best decode rate while busy, and the best
+        # prefill rate of one request (its prompt tokens over the time to its first token).
+        self._peak_tokens_per_s = 0.0
+        self._last_prefill_tokens_per_s = 0.0
+        self._peak_prefill_tokens_per_s = 0.0
         self.weights_bytes = 0
         self.skinny_buckets: list[int] = []  # decode row buckets computed as W·xᵀ (inference/engine/patches/linears.py)
         self.q4_max_rows = 0  # steps of up to this many rows read the 4-bit weights (q4 variant only)
@@ -217,6 +231,8 @@ class Engine:
         engine_id = f"{request_id}#{uuid.uuid4().hex[:8]}"
         eos_ids = set(self.eos_ids_list())
         handle = RequestHandle(self, request_id, engine_id, eos_ids, listener)
+        handle.prompt_tokens = len(input_ids)
+        handle.submitted_at = time.monotonic()
         with self._lock:
             self._handles[engine_id] = handle
             self._by_request[request_id] = engine_id
@@ -279,6 +295,11 @@ class Engine:
         with self._lock:
             self._tokens_generated += max(new, 0)
             self._recent_tokens.append((now, max(new, 0)))
+            if new > 0 and not handle.tokens:  # its first token: the prompt has been prefilled
+                # Time in the queue counts too: under load the rate reads low, and a price from it high.
+                rate = handle.prompt_tokens / max(now - handle.submitted_at, 1e-3)
+                self._last_prefill_tokens_per_s = rate
+                self._peak_prefill_tokens_per_s = max(self._peak_prefill_tokens_per_s, rate)
         handle.last_output_at = now
         if handle.listener is None:
             handle.outputs.put(output)
@@ -329,6 +350,8 @@ class Engine:
     def stats(self) -> EngineStats:
         running, waiting = scheduler_counts(self.manager)
         used, total = kv_block_usage(self.manager, self.config.num_blocks)
+        tokens_per_s, busy_tokens_per_s = self._rates()
+        self._peak_tokens_per_s = max(self._peak_tokens_per_s, busy_tokens_per_s)
         return EngineStats(
             model=self.config.model_dir.name,
             device=self.config.device,
@@ -337,7 +360,11 @@ class Engine:
             kv_blocks_used=used,
             kv_blocks_total=total,
             tokens_generated=self._tokens_generated,
-            tokens_per_s=round(self._tokens_per_s(), 2),
+            tokens_per_s=round(tokens_per_s, 2),
+            busy_tokens_per_s=round(busy_tokens_per_s, 2),
+            prefill_tokens_per_s=round(self._last_prefill_tokens_per_s, 2),
+            peak_tokens_per_s=round(self._peak_tokens_per_s, 2),
+            peak_prefill_tokens_per_s=round(self._peak_prefill_tokens_per_s, 2),
             requests_finished=self._requests_finished,
             peak_running=self._peak_running,
             restarts=self._restarts,
@@ -346,11 +373,23 @@ class Engine:
             loop=self.loop,
         )
 
-    def _tokens_per_s(self, window_s: float = 10.0) -> float:
+    def _rates(self, window_s: float = 10.0) -> tuple[float, float]:
+        """(tokens/s over the last window_s, tokens/s over the busy part of it).
+
+        The first is the load now (what the dashboard shows). The second leaves out the idle gaps,
+        so one short answer on a quiet engine reads as the speed it ran at, not as 24 tokens / 10 s;
+        it is 0 while the window holds fewer than BUSY_MIN_TOKENS: too few to tell.
+        """
         now = time.monotonic()
         with self._lock:
             while self._recent_tokens and now - self._recent_tokens[0][0] > window_s:
                 self._recent_tokens.popleft()
-            total = sum(n for _, n in self._recent_tokens)
-        return total / window_s
+            events = list(self._recent_tokens)
+        total = sum(n for _, n in events)
+        busy_s = busy_tokens = 0.0
+        for (before, _), (at, tokens) in itertools.pairwise(events):
+            if at - before <= IDLE_GAP_S:
+                busy_s += at - before
+                busy_tokens += tokens
+        return total / window_s, (busy_tokens / busy_s if busy_tokens >= BUSY_MIN_TOKENS and busy_s > 0 else 0.0)
 

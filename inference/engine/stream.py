@@ -34,13 +34,17 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     tokens_generated: int
-    tokens_per_s: float
+    tokens_per_s: float  # decode: output tokens per second over the last 10 s
     requests_finished: int
     peak_running: int
     restarts: int
     quantization: str = "none"
     loop: str = "transformers"  # which decode loop runs: "owned" (inference/engine/owned/) or "transformers"
     weights_bytes: int = 0  # memory of the loaded weights (int8 layers counted at one byte per weight)
+    busy_tokens_per_s: float = 0.0  # decode over the last 10 s, idle gaps left out (0: too few tokens to tell)
+    prefill_tokens_per_s: float = 0.0  # the last request's prompt tokens ÷ its time to first token
+    peak_tokens_per_s: float = 0.0  # the highest busy decode rate since the engine started
+    peak_prefill_tokens_per_s: float = 0.0  # the highest prefill rate of one request since it started
     updated_at: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict:
@@ -67,6 +71,8 @@ class RequestHandle:
         self.listener = listener
         self.outputs: queue.Queue = queue.Queue()
         self.tokens: list[int] = []
+        self.prompt_tokens = 0  # set by Engine.submit; counted as prefilled when the first token comes
+        self.submitted_at = time.monotonic()
         self.last_output_at = time.monotonic()  # when the engine last produced something for it
 
     def events(self, timeout: float) -> Iterator[StreamEvent]:

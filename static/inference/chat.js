@@ -10,6 +10,7 @@
   const maxTokens = document.getElementById("max-tokens");
   const sendButton = document.getElementById("send");
   const cancelButton = document.getElementById("cancel");
+  const allowanceLine = document.getElementById("allowance");
 
   const history = [];
   let socket = null;
@@ -52,6 +53,22 @@
     option.textContent = name;
     featureSelect.appendChild(option);
   }
+  // "Left today: 17 of 20 requests · 18,211 of 20,000 tokens · resets at 00:00 UTC, in 3 h 12 min"
+  function showAllowance(allowance) {
+    if (allowance === undefined) return; // a frame from a server that does not send it: keep the line
+    if (allowance === null) {
+      allowanceLine.textContent = "";
+      return;
+    }
+    const parts = [];
+    const count = (n) => Number(n).toLocaleString("en-US");
+    if (allowance.requests) parts.push(`${count(allowance.requests.left)} of ${count(allowance.requests.limit)} requests`);
+    if (allowance.tokens) parts.push(`${count(allowance.tokens.left)} of ${count(allowance.tokens.limit)} tokens`);
+    if (allowance.cost_usd) parts.push(`$${Number(allowance.cost_usd.left).toFixed(2)} of $${Number(allowance.cost_usd.limit).toFixed(2)}`);
+    allowanceLine.textContent = `Left today: ${parts.join(" · ")} · resets ${allowance.resets}`;
+  }
+  showAllowance(config.allowance);
+
   maxTokens.value = config.default_max_tokens;
   maxTokens.max = config.max_tokens_limit;
 
@@ -122,6 +139,7 @@
           current.text = JSON.stringify(frame.result, null, 2);
           current.item.textContent = current.text;
         }
+        showAllowance(frame.allowance);
         history.push({ role: "assistant", content: current ? current.text : "" });
         finishAnswer(
           `${frame.usage.completion_tokens} tokens · first token ${frame.ttft_ms} ms · total ${frame.total_ms} ms · ${frame.finish_reason}`
@@ -135,6 +153,7 @@
         stopWaiting();
         history.pop();
         addItem("notice", frame.message);
+        showAllowance(frame.allowance);
         statusLine.textContent = "Refused.";
         setBusy(false);
         break;

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from budgets.models import TokenLog
+from budgets.models import Quota, TokenLog
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -61,3 +61,16 @@ def test_a_wrong_password_is_told_so(live_stack, page, alice):
     page.fill("#id_password", "wrong")
     page.click("button[type=submit]")
     assert "didn't match" in page.locator(".alert").inner_text()
+
+
+def test_the_page_shows_whats_left_today_and_updates_it_after_each_answer(live_stack, page, alice, chat_feature):
+    Quota.objects.create(user=alice, period="day", max_requests=3)
+    log_in(page, live_stack, "alice", "alice-password-1")
+    allowance = page.locator("#allowance")
+    assert allowance.inner_text().startswith("Left today: 3 of 3 requests · resets at 00:00")
+    page.wait_for_function("document.getElementById('status').textContent.includes('Connected')")
+    page.fill("#max-tokens", "8")
+    page.fill("#prompt", "Say yes.")
+    page.click("#send")
+    page.locator("li.assistant .meta").wait_for(timeout=60_000)
+    page.wait_for_function("document.getElementById('allowance').textContent.startsWith('Left today: 2 of 3 requests')")

@@ -1,12 +1,13 @@
 """Create an API key for a user; the key is the last line of the output (scripts read it from there)."""
 
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from accounts.actions import do_create_api_key
+from accounts.management.database import DatabaseCommand
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = "Create an API key for USERNAME and print it (last line). It is shown only this once."
 
     def add_arguments(self, parser: CommandParser) -> None:

@@ -27,10 +27,11 @@ from pathlib import Path
 
 import redis
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.db import connection, transaction
 from django.utils import timezone
 
+from accounts.management.database import DatabaseCommand
 from budgets import guard
 from budgets.actions import Usage as LedgerUsage
 from budgets.actions import do_record_usage
@@ -69,7 +70,16 @@ class LevelResult:
     database: str | None  # the database vendor written to, None for Redis only
 
 
-class Command(BaseCommand):
+def _check_arguments(n: int, warmup: int, threads: int) -> None:
+    if threads < 1:
+        raise CommandError(f"--threads must be at least 1, got {threads}")
+    if n < 1:
+        raise CommandError(f"--n must be at least 1, got {n}")
+    if warmup < 0:
+        raise CommandError(f"--warmup cannot be negative, got {warmup}")
+
+
+class Command(DatabaseCommand):
     help = "Benchmark the budget guard against the local Redis: admit+settle p50/p99 and admissions/s."
 
     def add_arguments(self, parser) -> None:
@@ -82,14 +92,19 @@ class Command(BaseCommand):
             help="admit+settle cycles in flight at once from this process (counters level; default 1)",
         )
 
+    def needs_database(self, options: dict) -> bool:
+        # The counters level is Redis alone; only the guard level writes ledger rows. Bad arguments
+        # are left for handle() to explain first: they are wrong whatever the database holds.
+        try:
+            _check_arguments(options["n"], options["warmup"], options.get("threads", 1))
+            _json_target(options["json_path"])
+        except CommandError:
+            return False
+        return options["level"] != "counters"
+
     def handle(self, *args, n: int, level: str | None, warmup: int, json_path: str | None, threads: int = 1, **options) -> None:
-        if threads < 1:
-            raise CommandError(f"--threads must be at least 1, got {threads}")
+        _check_arguments(n, warmup, threads)
         self.threads = threads
-        if n < 1:
-            raise CommandError(f"--n must be at least 1, got {n}")
-        if warmup < 0:
-            raise CommandError(f"--warmup cannot be negative, got {warmup}")
         target = _json_target(json_path)
         store = _reachable_store()
         results = [self.run_level(name, store, n, warmup) for name in ([level] if level else LEVELS)]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts.management.database import DatabaseCommand
 from budgets import costmodel
 from budgets.costmodel_data import initial_from_logs
 from budgets.forms import CostModelForm
@@ -19,7 +20,7 @@ OVERRIDES = {
 }
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = "Model the monthly cost per user of a feature, from its logs where it has them."
 
     def add_arguments(self, parser) -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.utils import timezone
 
+from accounts.management.database import DatabaseCommand
 from budgets.prices import CatalogError, catalog_path, import_catalog, load_catalog
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = "Import hosted-model prices from tokencost's model_prices.json (new rows only where a price changed)."
 
     def add_arguments(self, parser) -> None:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.db import transaction
 
+from accounts.management.database import DatabaseCommand
 from budgets.actions import QUOTA_FIELDS, do_set_quota
 from budgets.models import Feature, Period, Quota
 from budgets.money import NegativeAmount, TooPrecise, parse_usd
@@ -15,7 +16,7 @@ from budgets.money import NegativeAmount, TooPrecise, parse_usd
 COMMAND_LINE_ACTOR = None
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = "Set a cap for one user or for everyone (--default), per day or month, optionally per feature."
 
     def add_arguments(self, parser) -> None:

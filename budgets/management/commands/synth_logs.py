@@ -18,9 +18,10 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.hashers import make_password
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.utils import timezone
 
+from accounts.management.database import DatabaseCommand
 from budgets.guard import price_in_force
 from budgets.models import Feature, ModelPrice, Provider, TokenLog
 from budgets.periods import local_zone
@@ -67,7 +68,7 @@ HOURLY = [0.15, 0.1, 0.08, 0.08, 0.1, 0.15, 0.3, 0.55, 0.8, 0.95, 1.0, 1.0,
 WEEKEND = 0.55
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = "Generate synthetic TokenLog rows (request ids start with 'synth-'); --clear removes them."
 
     def add_arguments(self, parser) -> None:

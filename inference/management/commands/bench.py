@@ -8,8 +8,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts.management.database import DatabaseCommand
 from inference.engine.bench import report
 from inference.engine.bench.measure import BenchError, machine_facts, measured_flops, roofline_tokens_per_s
 from inference.engine.bench.modes import run_in_child
@@ -23,7 +24,7 @@ DEFAULT_MODES = ALL_MODES[:-1]  # peer runs when --peer names a server
 QUICK_REQUESTS = 24
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = "Replay one fixed workload through several serving modes and report them side by side (vLLM's metrics)."
 
     def add_arguments(self, parser) -> None:
@@ -60,13 +61,8 @@ class Command(BaseCommand):
     def handle(self, *args, **options) -> None:
         modes = self._modes(options["modes"], options["peer"])
         spec = self._spec(options)
-        html_path = options["html"] or Path(settings.VAR_DIR) / "bench" / "report.html"
-        for path in (options["json"], html_path):
-            if path is not None and not path.parent.exists():
-                if path == html_path and options["html"] is None:
-                    path.parent.mkdir(parents=True)
-                else:
-                    raise CommandError(f"{path.parent} does not exist")
+        html_path = self._html_path(options)
+        html_path.parent.mkdir(parents=True, exist_ok=True)  # var/bench/ on a first run
         try:
             result, details = self._run(spec, modes, options)
         except BenchError as exc:
@@ -81,6 +77,26 @@ class Command(BaseCommand):
         report.write_html(html_path, result, details)
         html_path.with_suffix(".details.json").write_text(jsonlib.dumps(details, indent=1))
         self.stdout.write(f"HTML report: {html_path} (per-request timings beside it, .details.json)")
+
+    def needs_database(self, options: dict) -> bool:
+        # Only the stack mode runs requests through the guard and the ledger. Bad arguments are
+        # left for handle() to explain first: they are wrong whatever the database holds.
+        try:
+            modes = self._modes(options["modes"], options["peer"])
+            self._spec(options)
+            self._html_path(options)
+        except CommandError:
+            return False
+        return "stack" in modes
+
+    @staticmethod
+    def _html_path(options: dict) -> Path:
+        """The report's path, once the folders given for it and for --json are known to exist."""
+        html_path = options["html"] or Path(settings.VAR_DIR) / "bench" / "report.html"
+        for path in (options["json"], options["html"]):
+            if path is not None and not path.parent.exists():
+                raise CommandError(f"{path.parent} does not exist")
+        return html_path
 
     def _modes(self, raw: str | None, peer: str | None) -> list[str]:
         if raw is None:

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import torch
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts.management.database import DatabaseCommand
 from budgets.models import Feature
 from inference.actions import do_record_evaluation
 from inference.engine import Engine
@@ -23,7 +24,7 @@ from inference.engine.patches.quantization import BF16, INT8, NONE, Q4, Quantiza
 from inference.engines import engine_config_from_settings, model_dir
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = "Answer the feature's prompt set with the full-precision and the quantized model; store and print the verdict."
 
     def add_arguments(self, parser) -> None:

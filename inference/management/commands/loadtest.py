@@ -8,12 +8,13 @@ from pathlib import Path
 
 from django.conf import settings
 from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY, get_user_model
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
+from accounts.management.database import DatabaseCommand
 from inference.tools.loadtest import LoadPlan, NotLoopback, run_load
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = (
         "Open --connections websockets to a Ceiling on this machine, --chatting of them ask one short "
         "question each, probe an HTTP page and a websocket ping meanwhile, and write a JSON report. "
