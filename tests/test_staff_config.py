@@ -352,6 +352,20 @@ def test_editing_a_feature_audits_each_changed_field(staff_client, chat_feature)
     ]
 
 
+def test_editing_a_features_mode_and_caches_saves_and_audits_them(staff_client, chat_feature):
+    url = reverse("staff-feature", args=[chat_feature.pk])
+    data = {"name": "chat", "description": chat_feature.description, "enabled": "on", "mode": "extract",
+            "max_input_tokens": str(chat_feature.max_input_tokens), "max_output_tokens": str(chat_feature.max_output_tokens),
+            "provider": "", "cache_ttl_s": "600", "semantic_threshold": "0.95", "cache_shared": "on"}
+
+    staff_client.post(url, data)
+
+    chat_feature.refresh_from_db()
+    assert (chat_feature.mode, chat_feature.cache_ttl_s, chat_feature.semantic_threshold, chat_feature.cache_shared) == (
+        "extract", 600, 0.95, True)
+    assert {row[2] for row in audit_rows()} == {"mode", "cache_ttl_s", "semantic_threshold", "cache_shared"}
+
+
 def test_an_invalid_feature_edit_changes_nothing(staff_client, chat_feature):
     url = reverse("staff-feature", args=[chat_feature.pk])
     data = {"name": "chat", "description": "new", "enabled": "on", "max_input_tokens": "0", "max_output_tokens": "-4"}

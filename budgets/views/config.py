@@ -42,7 +42,9 @@ from ..usage import NO_USAGE, Gauge, caps_of, effective_caps, gauges, total_usag
 USERS_PER_PAGE = 50
 AUDIT_PER_PAGE = 50
 PRICES_PER_PAGE = 50
-FEATURE_FIELDS = ("name", "description", "enabled", "max_input_tokens", "max_output_tokens", "provider", "fallback")
+# Every field the form edits is saved and audited: a field missing here would be shown, accepted
+# and silently dropped on an existing feature (as mode and the cache settings once were).
+FEATURE_FIELDS = tuple(FeatureForm.Meta.fields)
 PROVIDER_FIELDS = ("name", "kind", "monthly_limit_micro_usd", "alert_thresholds", "alert_recipients",
                    "hourly_cost_micro_usd", "utilisation_percent")
 
