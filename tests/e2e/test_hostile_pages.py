@@ -30,7 +30,7 @@ WATCH_CSP = "window.__csp = []; document.addEventListener('securitypolicyviolati
 def hostile(alice, staff, chat_feature):
     from django.contrib.auth.models import User
 
-    from budgets.models import Provider
+    from budgets.models import AlertWebhook, Provider
 
     feature = Feature.objects.create(name=f"f{PAYLOAD}"[:64], description=PAYLOAD)
     user = User.objects.create_user(f"u{PAYLOAD}"[:150], password="hostile-password-1")
@@ -41,7 +41,9 @@ def hostile(alice, staff, chat_feature):
         )
     provider = Provider.objects.create(name=f"p{PAYLOAD}"[:64])
     job = BatchJob.objects.create(feature=feature, user=user, total=0)
-    return {"user_id": user.pk, "feature_id": feature.pk, "provider_id": provider.pk, "job_id": job.pk}
+    webhook = AlertWebhook.objects.create(provider=provider, url=f"https://hooks.example/{PAYLOAD}"[:500], secret="s" * 32)
+    return {"user_id": user.pk, "feature_id": feature.pk, "provider_id": provider.pk, "job_id": job.pk,
+            "webhook_id": webhook.pk}
 
 
 def seed_cached_answer(alice, feature, prompt: str, max_tokens: int) -> None:
