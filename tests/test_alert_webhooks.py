@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from django.db import connection
 from django.test import Client
 from kombu.exceptions import OperationalError
 
@@ -25,7 +24,7 @@ from budgets.models import AlertWebhook, AuditEntry, WebhookDelivery
 from budgets.webhooks import DELIVERY_HEADER, MAX_ATTEMPTS, SIGNATURE_HEADER, new_secret, retry_countdown
 from project import stack
 from tests import test_alerts
-from tests.test_alerts import LIMIT, spend, subject
+from tests.test_alerts import LIMIT, all_at_once, spend, subject
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -108,26 +107,12 @@ def test_fifty_concurrent_crossings_make_one_email_and_one_signed_post_per_webho
     ops_hook = webhook(provider, ops.url)
     slack_hook = webhook(None, slack.url, AlertWebhook.BodyFormat.SLACK)  # every alert, Slack's body
     spend(provider, alice, chat_feature, 79_000_000)
-    barrier = threading.Barrier(50)
-    errors: list[BaseException] = []
 
     def settle_one() -> None:
-        try:
-            barrier.wait(timeout=30)
-            spend(provider, alice, chat_feature, 100_000)
-            check_provider_thresholds(provider.id)
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            connection.close()
+        spend(provider, alice, chat_feature, 100_000)
+        check_provider_thresholds(provider.id)
 
-    threads = [threading.Thread(target=settle_one) for _ in range(50)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-
-    assert errors == []
+    assert all_at_once(50, settle_one) == []
     assert smtp.subjects() == [subject(50), subject(80)]
     assert len(ops.posts) == 2 and len(slack.posts) == 2  # one POST per alert and webhook, none repeated
     assert all(signed_by(ops_hook, post) for post in ops.posts)

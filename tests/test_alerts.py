@@ -115,33 +115,41 @@ def subject(threshold: int) -> str:
     return f"[Ceiling] provider 'local' at {threshold}% of its monthly limit"
 
 
+def all_at_once(count: int, work) -> list[BaseException]:
+    """Run `work` in `count` threads released together; the errors they raised (none: [])."""
+    barrier = threading.Barrier(count)
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            barrier.wait(timeout=30)
+            work()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()  # each thread's own database connection
+
+    threads = [threading.Thread(target=one) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return errors
+
+
 def alerts() -> list[Alert]:
     return list(Alert.objects.order_by("period_key", "threshold"))
 
 
 def test_fifty_concurrent_crossings_of_80_percent_make_one_alert_and_one_email(smtp, provider, alice, chat_feature):
     spend(provider, alice, chat_feature, 79_000_000)  # 79%: not checked yet, so 50% is crossed too
-    barrier = threading.Barrier(50)
     new_ids: list[int] = []
-    errors: list[BaseException] = []
 
     def settle_one() -> None:
-        try:
-            barrier.wait(timeout=30)
-            spend(provider, alice, chat_feature, 100_000)  # +0.1% each: 84% once all are in
-            new_ids.extend(check_provider_thresholds(provider.id))
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            connection.close()
+        spend(provider, alice, chat_feature, 100_000)  # +0.1% each: 84% once all are in
+        new_ids.extend(check_provider_thresholds(provider.id))
 
-    threads = [threading.Thread(target=settle_one) for _ in range(50)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-
-    assert errors == []
+    assert all_at_once(50, settle_one) == []
     rows = alerts()
     assert [(a.scope, a.threshold, a.period_key) for a in rows] == [
         ("provider:local", 50, timezone.localtime().strftime("%Y-%m")),
