@@ -231,7 +231,7 @@ def _cache_rows(runner: ModelRunner, block_table: list[int], length: int) -> sli
     The gather it saves costs ~35 µs per layer and tensor at a few hundred positions."""
     needed = -(-length // runner.page_size)
     first = block_table[0]
-    if block_table[needed - 1] - first == needed - 1 and block_table[:needed] == list(range(first, first + needed)):
+    if block_table[:needed] == list(range(first, first + needed)):
         start = first * runner.page_size
         return slice(start, start + length)
     return _slots(runner, block_table, length)

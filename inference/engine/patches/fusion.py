@@ -55,7 +55,7 @@ def _fusable(layers: list[nn.Module]) -> bool:
     first = layers[0]
     if any(type(layer) is not nn.Linear for layer in layers):
         return False
-    same = all(
+    return all(
         layer.in_features == first.in_features
         and layer.weight.dtype == first.weight.dtype
         and layer.weight.device == first.weight.device
@@ -65,7 +65,6 @@ def _fusable(layers: list[nn.Module]) -> bool:
         and getattr(layer, "skinny_routes", None) == getattr(first, "skinny_routes", None)
         for layer in layers
     )
-    return same
 
 
 def _share_rows(layers: list[nn.Linear], weight: torch.Tensor, bias: torch.Tensor | None) -> None:
