@@ -27,6 +27,7 @@ test: install
 	$(VENV)/bin/ruff check .
 	DATABASE_URL=$${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/ceiling} \
 	REDIS_URL=$${TEST_REDIS_URL:-redis://127.0.0.1:6379/15} \
+	CEILING_COMPILE_DECODE=$${CEILING_COMPILE_DECODE:-0} \
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -41,6 +41,8 @@ def engine_config_from_settings(folder: Path, quantization: str | None = None) -
         attention=settings.CEILING_ATTENTION,
         skinny_linear=settings.CEILING_SKINNY_LINEAR,
         quantization=quantization or settings.CEILING_QUANTIZATION,
+        compile_buckets=settings.CEILING_COMPILE_BUCKETS if settings.CEILING_COMPILE_DECODE else (),
+        compile_cache_dir=Path(settings.VAR_DIR) / "inductor",
     )
 
 

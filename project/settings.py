@@ -64,6 +64,14 @@ def envlist(name: str, default: list[str]) -> list[str]:
     return [item.strip() for item in raw.split(",") if item.strip()]
 
 
+def envint_item(name: str, item: str) -> int:
+    """One integer of a comma-separated setting, or ImproperlyConfigured naming the setting."""
+    try:
+        return int(item)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}: {item!r} is not an integer") from None
+
+
 def database_pool_options() -> dict:
     return {
         "min_size": 1,
@@ -286,6 +294,14 @@ if CEILING_ATTENTION not in ("varlen", "sdpa"):
 # the engine loads (2× the weight streaming for 2-8 rows on AMD EPYC; slower on AVX-512 Xeons, so unused
 # there); off skips the measurement and keeps F.linear everywhere.
 CEILING_SKINNY_LINEAR = envbool("CEILING_SKINNY_LINEAR", True)
+# Decode-only steps of up to 1, 2, 4 or 8 rows compiled by torch.compile (one graph per bucket,
+# padded rows) in a background thread when the worker starts (about a minute per bucket on 2 cores),
+# each bucket used only where it measures faster than eager (inference/engine/owned/compiled.py).
+# CEILING_COMPILE_DECODE=0 turns it off (`make test` does: each test engine would compile).
+CEILING_COMPILE_DECODE = envbool("CEILING_COMPILE_DECODE", True)
+CEILING_COMPILE_BUCKETS = tuple(envint_item("CEILING_COMPILE_BUCKETS", item) for item in envlist("CEILING_COMPILE_BUCKETS", ["1", "2", "4", "8"]))
+if not CEILING_COMPILE_BUCKETS or min(CEILING_COMPILE_BUCKETS) < 1 or max(CEILING_COMPILE_BUCKETS) > 64:
+    raise ImproperlyConfigured(f"CEILING_COMPILE_BUCKETS must be row counts from 1 to 64, not {CEILING_COMPILE_BUCKETS!r}")
 # The Celery queue chats are sent to and workers serve (a private one isolates a benchmark's worker).
 CEILING_INFERENCE_QUEUE = envstr("CEILING_INFERENCE_QUEUE", "inference")
 # Tokens per streamed frame after the first (SGLang's --stream-interval): 1 sends every token as it

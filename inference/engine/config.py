@@ -38,6 +38,11 @@ class EngineConfig:
     skinny_linear: bool = True
     # "none", "int8", "q4" or "bf16" (inference/engine/patches/quantization.py): how the weights are stored once loaded.
     quantization: str = "none"
+    # Decode-only steps of up to these many rows compiled (torch.compile, inductor) in the
+    # background, each bucket used where it measures faster (inference/engine/owned/compiled.py);
+    # owned loop on a CPU only. () compiles nothing.
+    compile_buckets: tuple[int, ...] = ()
+    compile_cache_dir: Path | None = None  # inductor's cache: a restarted worker compiles from it in seconds
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs

@@ -154,6 +154,8 @@ class Engine:
             manager = OwnedManager(
                 self.model, num_blocks=self.config.num_blocks, page_size=self.config.page_size,
                 max_batch_tokens=self.config.max_batch_tokens, prefix_sharing=self.config.prefix_sharing,
+                compile_buckets=() if self.config.device.startswith("cuda") else self.config.compile_buckets,
+                compile_cache_dir=self.config.compile_cache_dir,
             )
             manager.start()
             return manager
@@ -351,6 +353,7 @@ class Engine:
         running, waiting = scheduler_counts(self.manager)
         used, total = kv_block_usage(self.manager, self.config.num_blocks)
         tokens_per_s, busy_tokens_per_s = self._rates()
+        report = self.compile_report()
         self._peak_tokens_per_s = max(self._peak_tokens_per_s, busy_tokens_per_s)
         return EngineStats(
             model=self.config.model_dir.name,
@@ -371,7 +374,19 @@ class Engine:
             quantization=self.config.quantization,
             weights_bytes=self.weights_bytes,
             loop=self.loop,
+            compiled_decode_state=report.state if report else "",
+            compiled_decode=report.describe() if report else "",
         )
+
+    def compile_report(self):
+        """The compiled decode steps' CompileReport (owned loop with compile_buckets), else None."""
+        compiler = getattr(self.manager, "compiler", None)
+        return compiler.report if compiler is not None else None
+
+    def wait_for_compile(self, timeout: float) -> bool:
+        """Block until every decode bucket's compile is decided (True at once when nothing compiles)."""
+        compiler = getattr(self.manager, "compiler", None)
+        return compiler is None or compiler.wait(timeout)
 
     def _rates(self, window_s: float = 10.0) -> tuple[float, float]:
         """(tokens/s over the last window_s, tokens/s over the busy part of it).

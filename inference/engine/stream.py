@@ -45,6 +45,10 @@ class EngineStats:
     prefill_tokens_per_s: float = 0.0  # the last request's prompt tokens ÷ its time to first token
     peak_tokens_per_s: float = 0.0  # the highest busy decode rate since the engine started
     peak_prefill_tokens_per_s: float = 0.0  # the highest prefill rate of one request since it started
+    # The compiled decode steps (inference/engine/owned/compiled.py): "" when nothing compiles,
+    # else compiling | used | slower | failed, and the sentence that says what was measured.
+    compiled_decode_state: str = ""
+    compiled_decode: str = ""
     updated_at: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict:

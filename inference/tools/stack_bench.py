@@ -162,7 +162,11 @@ def bench_stack(concurrency: int, threads: int, engine_env: dict[str, str], log_
         stack.wait_until(lambda: stack.port_answers("127.0.0.1", port), timeout=60, what="daphne")
         stack.wait_until(lambda: found.update(_live_workers() - workers_before) or found, timeout=180,
                          what="the bench worker's engine")
-        yield port, processes, sorted(found)[0]
+        worker = sorted(found)[0]
+        # As the engine mode does: measure the worker once its decode steps' compile is decided.
+        stack.wait_until(lambda: _compile_state(worker) != "compiling", timeout=1800,
+                         what="the bench worker's compiled decode steps")
+        yield port, processes, worker
     finally:
         stack.stop_all(processes)
 
@@ -171,6 +175,12 @@ def _live_workers() -> set[str]:
     from inference.bus.stats import read_engine_stats
 
     return {stats["worker"] for stats in read_engine_stats() if stats.get("running") is not None}
+
+
+def _compile_state(worker: str) -> str:
+    from inference.bus.stats import read_engine_stats
+
+    return next((stats.get("compiled_decode_state", "") for stats in read_engine_stats() if stats["worker"] == worker), "")
 
 
 class WorkerSampler(threading.Thread):

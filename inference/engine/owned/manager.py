@@ -15,8 +15,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from ..config import GREEDY, Sampling
 from .blocks import BlockManager
+from .compiled import DecodeCompiler
 from .runner import ModelRunner
 from .sampler import pick_tokens
 from .scheduler import Scheduler
@@ -40,8 +43,12 @@ class StepOutput:
 
 
 class OwnedManager:
-    def __init__(self, model, *, num_blocks: int, page_size: int, max_batch_tokens: int, prefix_sharing: bool) -> None:
+    def __init__(self, model, *, num_blocks: int, page_size: int, max_batch_tokens: int, prefix_sharing: bool,
+                 compile_buckets: tuple[int, ...] = (), compile_cache_dir=None) -> None:
         self.model = model
+        self.compile_buckets = compile_buckets  # () : no compiled steps
+        self.compile_cache_dir = compile_cache_dir
+        self.compiler: DecodeCompiler | None = None
         self.num_blocks = num_blocks
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
@@ -114,6 +121,10 @@ class OwnedManager:
             self._alive = False
             self._ready.set()
             return
+        if self.compile_buckets:  # serves eagerly until the compiled steps are built and measured faster
+            self.compiler = DecodeCompiler(self.runner, torch.get_num_threads(), self.compile_cache_dir,
+                                           self.compile_buckets)
+            self.compiler.start()
         self._ready.set()
         by_id: dict[str, Sequence] = {}
         try:

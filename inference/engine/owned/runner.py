@@ -98,11 +98,16 @@ class ModelRunner:
         self.intermediate = config.intermediate_size
         self.layers = [_layer_of(layer) for layer in core.layers]
         slots = num_blocks * page_size
-        shape = (slots, self.kv_heads, self.head_dim)
+        # One block more than the block manager hands out: the scratch block that a compiled decode
+        # step's padding rows write to (compiled.decode_arguments).
+        shape = (slots + page_size, self.kv_heads, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.cos, self.sin = self._rotary_table(core, min(slots, config.max_position_embeddings))
         self.offsets = torch.arange(page_size, device=self.device)
+        # Decode-only steps as compiled graphs by bucket (rows → step), installed by
+        # compiled.DecodeCompiler for the buckets that measure faster; empty: every step runs eagerly.
+        self.decode_steps: dict[int, Callable] = {}
 
     def _rotary_table(self, core, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
@@ -115,6 +120,10 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> torch.Tensor | None:
         """Compute the plan's rows; the logits of each row that yields a token, in plan order (None: no row does)."""
+        if self.decode_steps and not plan.prefill:
+            logits = self._compiled_decode(plan.decode)
+            if logits is not None:
+                return logits
         batch = _StepBatch(self, plan)
         hidden = F.embedding(batch.input_ids, self.embed)
         for index, layer in enumerate(self.layers):
@@ -124,6 +133,19 @@ class ModelRunner:
         rows = hidden.index_select(0, batch.logit_rows) if batch.logit_rows.numel() != hidden.shape[0] else hidden
         rows = F.rms_norm(rows, (self.hidden,), self.final_norm, self.eps)
         return self.lm_head(rows)
+
+    def _compiled_decode(self, seqs) -> torch.Tensor | None:
+        """The decode rows through the graph of the smallest compiled bucket that holds them (None: no
+        bucket does, or its guards refused this call; the step then runs eagerly)."""
+        from .compiled import DecodeRow, decode_arguments
+
+        steps = self.decode_steps
+        bucket = min((rows for rows in steps if rows >= len(seqs)), default=None)
+        if bucket is None:
+            return None
+        rows = [DecodeRow(seq.token_at(len(seq) - 1), seq.block_table, len(seq)) for seq in seqs]
+        logits = steps[bucket](*decode_arguments(self, rows, bucket, self.k_cache, self.v_cache))
+        return None if logits is None else logits[: len(seqs)]
 
     def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, batch: _StepBatch) -> torch.Tensor:
         rows = hidden.shape[0]

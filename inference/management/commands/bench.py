@@ -45,6 +45,9 @@ class Command(DatabaseCommand):
         parser.add_argument("--attention", choices=("varlen", "sdpa"), default=settings.CEILING_ATTENTION)
         parser.add_argument("--skinny-linear", action=argparse.BooleanOptionalAction, default=settings.CEILING_SKINNY_LINEAR,
                             help="decode-sized matmuls as W·xᵀ where the engine measures that faster when it loads (inference/engine/patches/linears.py)")
+        parser.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=settings.CEILING_COMPILE_DECODE,
+                            help="compile the decode steps of CEILING_COMPILE_BUCKETS rows (torch.compile) and wait for "
+                                 "them before the engine and stack modes run (inference/engine/owned/compiled.py)")
         parser.add_argument("--max-batch-tokens", type=int, default=settings.CEILING_MAX_BATCH_TOKENS)
         parser.add_argument("--quantization", choices=MODES, default=settings.CEILING_QUANTIZATION,
                             help="the weight variant of the engine and stack modes (inference/engine/patches/quantization.py); "
@@ -143,6 +146,7 @@ class Command(DatabaseCommand):
         machine["attention"] = options["attention"]
         machine["max_batch_tokens"] = options["max_batch_tokens"]
         machine["skinny_linear"] = options["skinny_linear"]
+        machine["compile_buckets"] = list(settings.CEILING_COMPILE_BUCKETS) if options["compile_decode"] else []
         machine["quantization"] = options["quantization"]
         machine["stream_interval"] = options["stream_interval"]
         machine["repeat"] = options["repeat"]
@@ -156,6 +160,7 @@ class Command(DatabaseCommand):
             "max_batch_tokens": options["max_batch_tokens"],
             "skinny_linear": options["skinny_linear"],
             "quantization": options["quantization"],
+            "compile_buckets": settings.CEILING_COMPILE_BUCKETS if options["compile_decode"] else (),
         }
         # Rounds, not one mode N times in a row: a VM's slow minutes then fall on every mode alike.
         runs: dict[str, list[dict]] = {}
@@ -199,6 +204,8 @@ class Command(DatabaseCommand):
             "CEILING_MAX_BATCH_TOKENS": str(engine_options["max_batch_tokens"]),
             "CEILING_SKINNY_LINEAR": "1" if engine_options["skinny_linear"] else "0",
             "CEILING_QUANTIZATION": engine_options["quantization"],
+            "CEILING_COMPILE_DECODE": "1" if engine_options["compile_buckets"] else "0",
+            "CEILING_COMPILE_BUCKETS": ",".join(map(str, engine_options["compile_buckets"] or settings.CEILING_COMPILE_BUCKETS)),
             "CEILING_STREAM_INTERVAL": str(stream_interval),
         }
         result = run_stack(requests, threads=threads, engine_env=env, log_dir=Path(settings.VAR_DIR) / "bench",
