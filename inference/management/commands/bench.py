@@ -161,6 +161,7 @@ class Command(DatabaseCommand):
             "skinny_linear": options["skinny_linear"],
             "quantization": options["quantization"],
             "compile_buckets": settings.CEILING_COMPILE_BUCKETS if options["compile_decode"] else (),
+            "compile_cache_dir": Path(settings.VAR_DIR) / "inductor",  # the worker's: one compile serves both
         }
         # Rounds, not one mode N times in a row: a VM's slow minutes then fall on every mode alike.
         runs: dict[str, list[dict]] = {}
