@@ -24,6 +24,7 @@ import logging
 import re
 import time
 import unicodedata
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 
 CHUNK_MAX_TOKENS = 200
 TOP_K = 3
+# Below this cosine a passage is about something else (all-MiniLM-L6-v2 puts unrelated texts near
+# 0): it would only spend prompt tokens.
+MIN_SCORE = 0.1
 CACHE_TTL_S = 3600
 KEY_PREFIX = "ceiling:retrieval:"
 MATRICES_KEPT = 8  # per process: (feature, version, audiences) → its chunks' embeddings
@@ -235,15 +239,31 @@ def _version_key(feature_id: int) -> str:
     return f"{KEY_PREFIX}version:{feature_id}"
 
 
-def cache_key(feature_id: int, version: int, audiences: tuple[str, ...], k: int, query: str) -> str:
+def cache_key(feature_id: int, version: str, audiences: tuple[str, ...], k: int, query: str) -> str:
     digest = hashlib.sha256(normalise_query(query).encode()).hexdigest()
     return f"{KEY_PREFIX}{feature_id}:v{version}:{'+'.join(audiences)}:k{k}:{digest}"
+
+
+def _new_version() -> str:
+    # Never a counter from 0: after Redis lost its keys, a version must not repeat one that a
+    # process still holds embeddings for (_matrices), or that process would search old chunks.
+    return uuid.uuid4().hex[:12]
+
+
+def current_version(client: redis.Redis, feature_id: int) -> str:
+    """The feature's documents version; a fresh one when Redis has none (first use, or after a flush)."""
+    key = _version_key(feature_id)
+    version = client.get(key)
+    if version is None:
+        client.set(key, _new_version(), nx=True)
+        version = client.get(key)
+    return version.decode() if isinstance(version, bytes) else str(version)
 
 
 def bump_version(feature_id: int) -> None:
     """A document of the feature changed: every cached search of it is stale from now on."""
     try:
-        _client().incr(_version_key(feature_id))
+        _client().set(_version_key(feature_id), _new_version())
     except (redis.RedisError, OSError) as exc:
         # Entries written before still expire within CACHE_TTL_S; the hit path also re-reads the
         # chunks, so a deleted passage is never served, only a changed ranking could be.
@@ -257,7 +277,7 @@ def retrieve(feature, user, query: str, k: int = TOP_K) -> Retrieval:
     client = _client()
     key = version = None
     try:
-        version = int(client.get(_version_key(feature.pk)) or 0)
+        version = current_version(client, feature.pk)
         key = cache_key(feature.pk, version, audiences, k, query)
         raw = client.get(key)
     except (redis.RedisError, OSError, ValueError) as exc:
@@ -284,7 +304,7 @@ def _ms_since(started: float) -> int:
     return int(round((time.perf_counter() - started) * 1000))
 
 
-def _search(feature, audiences: tuple[str, ...], version: int | None, query: str, k: int) -> tuple[list[int], list[float]]:
+def _search(feature, audiences: tuple[str, ...], version: str | None, query: str, k: int) -> tuple[list[int], list[float]]:
     from inference.web.caches import embed
 
     ids, matrix = _matrix(feature.pk, audiences, version)
@@ -292,14 +312,14 @@ def _search(feature, audiences: tuple[str, ...], version: int | None, query: str
         return [], []
     vector = embed([query])[0]
     scores = matrix @ vector  # unit vectors: the dot product is the cosine
-    top = np.argsort(-scores)[:k]
+    top = [i for i in np.argsort(-scores)[:k] if scores[i] >= MIN_SCORE]
     return [ids[i] for i in top], [round(float(scores[i]), 4) for i in top]
 
 
 _matrices: OrderedDict[tuple, tuple[list[int], np.ndarray]] = OrderedDict()
 
 
-def _matrix(feature_id: int, audiences: tuple[str, ...], version: int | None) -> tuple[list[int], np.ndarray]:
+def _matrix(feature_id: int, audiences: tuple[str, ...], version: str | None) -> tuple[list[int], np.ndarray]:
     """The ids and embeddings of the chunks the audiences may read; kept per version when it is known."""
     from inference.models import Chunk
 

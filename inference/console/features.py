@@ -44,9 +44,9 @@ def feature_detail(request: HttpRequest, feature_id: int) -> HttpResponse:
         if upload_form.is_valid():
             return _save_document(request, feature, upload_form)
         context = {"feature": feature, "name": feature.name, "form": FeatureForm(instance=feature),
-                   "aliases_form": ModelAliasesForm(feature=feature), "upload_form": upload_form}
-        return render(request, "inference/feature_detail.html", context | _quantization_context(feature)
-                      | _documents_context(feature), status=400)
+                   "aliases_form": ModelAliasesForm(feature=feature)}
+        context |= _quantization_context(feature) | _documents_context(feature, upload_form)
+        return render(request, "inference/feature_detail.html", context, status=400)
     aliases_form = ModelAliasesForm(feature=feature)
     if request.method == "POST" and request.POST.get("form") == "aliases":
         aliases_form = ModelAliasesForm(request.POST, feature=feature)
@@ -108,9 +108,9 @@ def _switch_quantization(request: HttpRequest, feature: Feature) -> HttpResponse
 # --- documents of a docs feature ------------------------------------------------------------------
 
 
-def _documents_context(feature: Feature) -> dict:
+def _documents_context(feature: Feature, upload_form: DocumentUploadForm | None = None) -> dict:
     documents = feature.documents.annotate(chunk_count=Count("chunks"), tokens=Sum("chunks__tokens")).order_by("name")
-    return {"documents": documents, "upload_form": DocumentUploadForm()}
+    return {"documents": documents, "upload_form": upload_form or DocumentUploadForm()}
 
 
 def _save_document(request: HttpRequest, feature: Feature, form: DocumentUploadForm) -> HttpResponse:
