@@ -366,3 +366,30 @@ def test_end_users_cannot_upload(alice, docs_feature):
     client.force_login(alice)
     response = upload(client, docs_feature, "guard.md", GUARD_MD.encode())
     assert response.status_code == 403 and not Document.objects.exists()
+
+
+# --- the demo corpus ---------------------------------------------------------------------------------
+
+
+def test_seed_demo_creates_the_docs_feature_once_and_load_docs_loads_files_once(transactional_db, tmp_path):
+    import io
+
+    from django.core.management import CommandError, call_command
+
+    call_command("seed_demo", "--no-history", stdout=io.StringIO())
+    call_command("seed_demo", "--no-history", stdout=io.StringIO())
+    docs = Feature.objects.get(name="docs")
+    assert docs.mode == Feature.Mode.DOCS and Feature.objects.filter(mode=Feature.Mode.DOCS).count() == 1
+
+    guide = tmp_path / "guard.md"
+    guide.write_text(GUARD_MD)
+    first, second = io.StringIO(), io.StringIO()
+    call_command("load_docs", str(guide), stdout=first)
+    call_command("load_docs", str(guide), stdout=second)
+    assert "guard.md: 2 chunks" in first.getvalue()
+    assert "1 documents, 0 loaded or changed now" in second.getvalue()
+    with pytest.raises(CommandError, match="The feature 'chat' is in chat mode; documents serve a feature in docs mode."):
+        call_command("load_docs", str(guide), "--feature", "chat", stdout=io.StringIO())
+    (tmp_path / "slides.pdf").write_bytes(b"%PDF")
+    with pytest.raises(CommandError, match="is not a Markdown or text file"):
+        call_command("load_docs", str(tmp_path / "slides.pdf"), stdout=io.StringIO())
