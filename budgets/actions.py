@@ -20,6 +20,7 @@ from .models import (
     ModelPrice,
     Provider,
     Quota,
+    RetrievalFacts,
     TokenLog,
     WebhookDelivery,
     unique_row,
@@ -45,6 +46,7 @@ def do_log_refusal(
     message: str,
     prompt_tokens: int = 0,
     max_tokens: int = 0,
+    retrieval: RetrievalFacts | None = None,
 ) -> TokenLog:
     """A refused request still leaves a row, so refusals can be counted and explained."""
     now = timezone.now()
@@ -62,6 +64,7 @@ def do_log_refusal(
                 max_tokens=max_tokens,
                 created_at=now,
                 finished_at=now,
+                **(retrieval.ledger_fields() if retrieval else {}),
             )
     except IntegrityError:
         return TokenLog.objects.get(request_id=request_id)
@@ -80,6 +83,7 @@ def do_log_cache_hit(
     max_tokens: int,
     kind: str,
     saved_micro_usd: int,
+    retrieval: RetrievalFacts | None = None,
 ) -> TokenLog:
     """An answer served from a cache: no model call, cost 0, and what the original answer cost."""
     now = timezone.now()
@@ -88,6 +92,7 @@ def do_log_cache_hit(
         finish_reason="stop", prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
         max_tokens=max_tokens, cost_micro_usd=0, cache=kind, saved_micro_usd=saved_micro_usd,
         ttft_ms=0, total_ms=0, created_at=now, finished_at=now, counters_settled=True,
+        **(retrieval.ledger_fields() if retrieval else {}),
     )
     publish_on_commit(request_id)
     return row

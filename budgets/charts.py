@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.db.models import Count, F, Q, Sum
+from django.db.models import Avg, Count, F, Q, Sum
 from django.db.models.functions import TruncDay, TruncMinute
 
+from .costmodel import latency_shares
 from .models import Alert, Provider, TokenLog
 from .periods import local_zone, period_bounds, period_key
 
@@ -64,6 +65,28 @@ def cache_savings_this_month(now: datetime) -> dict:
     return TokenLog.objects.filter(created_at__gte=start, created_at__lt=end).exclude(cache="").aggregate(
         hits=Count("id"), saved_micro_usd=Sum("saved_micro_usd")
     )
+
+
+@dataclass(frozen=True)
+class RetrievalCacheStats:
+    lookups: int
+    hits: int
+    saved_ms: int
+    mean_retrieval_ms: float | None  # over every docs request, hit or miss
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.lookups if self.lookups else None
+
+
+def retrieval_cache_this_month(now: datetime) -> RetrievalCacheStats:
+    """The retrieval cache's lookups, hits and the milliseconds it saved this month, from the ledger."""
+    start, end = period_bounds("month", now)
+    sums = TokenLog.objects.filter(created_at__gte=start, created_at__lt=end).exclude(retrieval_cache="").aggregate(
+        lookups=Count("id"), hits=Count("id", filter=Q(retrieval_cache="hit")),
+        saved=Sum("retrieval_saved_ms"), mean=Avg("retrieval_ms"),
+    )
+    return RetrievalCacheStats(sums["lookups"], sums["hits"], sums["saved"] or 0, sums["mean"])
 
 
 def alerts_this_month(now: datetime) -> list[Alert]:
@@ -148,3 +171,27 @@ def _pivot(rows, metrics: dict) -> dict[str, Series]:
             traces[row["name"] or "(none)"][position[row["bucket"]]] = value(row)
         result[metric] = Series(x, traces)
     return result
+
+
+@dataclass(frozen=True)
+class LatencyPart:
+    name: str
+    ms: int
+    share: float  # of the whole, 0..1
+
+
+def request_latency_parts(row: TokenLog) -> list[LatencyPart]:
+    """One request's time split as the cost model's latency budget splits it: retrieval, prefill, decode.
+
+    Retrieval ran before admission (the ledger's clock starts there); prefill is admission to the
+    first token (queueing included); decode is the rest. Parts the request did not have are left out.
+    """
+    parts: list[tuple[str, int]] = []
+    if row.retrieval_ms is not None:
+        parts.append(("retrieval", row.retrieval_ms))
+    if row.ttft_ms is not None:
+        parts.append(("prefill", row.ttft_ms))
+        if row.total_ms is not None:
+            parts.append(("decode", max(0, row.total_ms - row.ttft_ms)))
+    shares = latency_shares({name: float(ms) for name, ms in parts})
+    return [LatencyPart(name, ms, shares[name]) for name, ms in parts]

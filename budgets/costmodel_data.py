@@ -40,15 +40,22 @@ class Observed:
     requests_per_user_per_day: Distribution | None
     prefill_tokens_per_s: float | None
     decode_tokens_per_s: float | None
+    # A docs feature's: the mean tokens retrieval placed in a prompt (left out of prompt_tokens, which
+    # is then the rest of the prompt) and the mean retrieval time.
+    retrieved_tokens: float = 0.0
+    retrieval_ms: float | None = None
 
 
 def observe(feature: Feature, now: datetime, days: int = 30) -> Observed:
     rows = TokenLog.objects.filter(feature=feature, status=TokenLog.Status.OK, created_at__gte=now - timedelta(days=days))
-    shape = rows.filter(prompt_tokens__gt=0, completion_tokens__gt=0).aggregate(
+    own_prompt = Cast(F("prompt_tokens") - F("retrieved_tokens"), FloatField())
+    shape = rows.filter(prompt_tokens__gt=F("retrieved_tokens"), completion_tokens__gt=0).aggregate(
         n=Count("id"),
         users=Count("user", distinct=True),
-        prompt_log_mean=Avg(Ln(Cast("prompt_tokens", FloatField()))),
-        prompt_log_std=StdDev(Ln(Cast("prompt_tokens", FloatField()))),
+        prompt_log_mean=Avg(Ln(own_prompt)),
+        prompt_log_std=StdDev(Ln(own_prompt)),
+        retrieved=Avg("retrieved_tokens"),
+        retrieval_ms=Avg("retrieval_ms"),
         output_log_mean=Avg(Ln(Cast("completion_tokens", FloatField()))),
         output_log_std=StdDev(Ln(Cast("completion_tokens", FloatField()))),
     )
@@ -59,6 +66,8 @@ def observe(feature: Feature, now: datetime, days: int = 30) -> Observed:
         output_tokens=_lognormal(shape["output_log_mean"], shape["output_log_std"]),
         requests_per_user_per_day=_daily_rate(rows, days),
         **_measured_rates(rows),
+        retrieved_tokens=float(shape["retrieved"] or 0.0),
+        retrieval_ms=shape["retrieval_ms"],
     )
 
 
@@ -108,6 +117,10 @@ def initial_from_logs(feature: Feature | None) -> tuple[dict, str]:
         initial["prefill_tokens_per_s"] = round(seen.prefill_tokens_per_s, 1)
     if seen.decode_tokens_per_s:
         initial["decode_tokens_per_s"] = round(seen.decode_tokens_per_s, 2)
+    # The real retrieved length: what retrieval placed in this feature's prompts, apart from the rest.
+    initial["retrieved_tokens"] = round(seen.retrieved_tokens)
+    if seen.retrieval_ms is not None:
+        initial["retrieval_ms"] = round(seen.retrieval_ms, 1)
     return initial, f"Prefilled from {seen.requests:,} completed requests of {seen.users:,} users of {feature.name!r} in the last 30 days."
 
 

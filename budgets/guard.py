@@ -27,7 +27,7 @@ from django.utils import timezone
 
 from .counters import AdmitResult, CounterGroup, CounterSpec, CounterStore, Limits, Usage
 from .live import publish_on_commit
-from .models import Feature, ModelPrice, Period, Provider, Quota, TokenLog
+from .models import Feature, ModelPrice, Period, Provider, Quota, RetrievalFacts, TokenLog
 from .money import format_usd
 from .periods import describe_reset, period_bounds, period_key, seconds_until_reset
 
@@ -176,6 +176,7 @@ class AdmissionRequest:
     loop: LoopLimits | None = None
     provider: Provider | None = None
     fallback: Fallback | None = None
+    retrieval: RetrievalFacts | None = None  # a docs feature's request: what retrieval added to its prompt
 
 
 @dataclass
@@ -313,6 +314,7 @@ def _open_row(request, provider, price, ceilings, now) -> tuple[TokenLog | None,
         max_tokens=request.max_tokens,
         counter_keys=[c.spec.key for c in ceilings],
         created_at=now,
+        **(request.retrieval.ledger_fields() if request.retrieval else {}),
     )
     # In autocommit mode the INSERT is a transaction of its own; inside a caller's transaction a
     # savepoint keeps a duplicate's IntegrityError from breaking it.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
@@ -125,6 +127,7 @@ class Feature(models.Model):
         CHAT = "chat"  # streams tokens (websocket or SSE)
         EXTRACT = "extract"  # answers once, with a complete JSON object
         BATCH = "batch"  # many items as a Celery batch job, progress shown to staff
+        DOCS = "docs"  # answers from the feature's documents: retrieved passages go into the prompt
 
     enabled = models.BooleanField(default=True)
     mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.CHAT)
@@ -211,6 +214,14 @@ class TokenLog(models.Model):
     prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)
     cached_tokens = models.PositiveIntegerField(default=0)
+    # A docs feature's request: the tokens of the passages retrieved into the prompt (a part of
+    # prompt_tokens, counted by the guard like the rest of it) and how long finding them took.
+    retrieved_tokens = models.PositiveIntegerField(default=0)
+    retrieval_ms = models.PositiveIntegerField(null=True, blank=True)
+    # "hit" / "miss" when the retrieval cache was asked, and on a hit the milliseconds it saved
+    # (what the search it replays took, less what the hit took).
+    retrieval_cache = models.CharField(max_length=8, blank=True)
+    retrieval_saved_ms = models.PositiveIntegerField(default=0)
     max_tokens = models.PositiveIntegerField(default=0)
     cost_micro_usd = models.BigIntegerField(default=0)
     # Served from an answer cache ("exact" / "semantic", cost 0) and what the original answer cost.
@@ -254,6 +265,19 @@ class TokenLog(models.Model):
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
         }
+
+
+@dataclass(frozen=True)
+class RetrievalFacts:
+    """What retrieval added to one request, written on its ledger row whatever becomes of it."""
+
+    retrieved_tokens: int = 0
+    retrieval_ms: int | None = None
+    retrieval_cache: str = ""  # hit | miss
+    retrieval_saved_ms: int = 0
+
+    def ledger_fields(self) -> dict:
+        return asdict(self)
 
 
 class Quota(models.Model):

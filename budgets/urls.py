@@ -8,6 +8,7 @@ urlpatterns = [
     path("staff/costs/", logs.cost_per_user, name="staff-costs"),
     path("staff/costmodel/", costmodel.cost_model, name="staff-costmodel"),
     path("staff/logs/", logs.token_logs, name="staff-logs"),
+    path("staff/logs/<str:request_id>/", logs.request_detail, name="staff-request"),
     path("staff/users/", config.users, name="staff-users"),
     path("staff/users/<int:user_id>/", config.user_detail, name="staff-user"),
     path("staff/defaults/", config.defaults, name="staff-defaults"),

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
+from functools import partial
+
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
 from budgets.actions import Usage, do_record_usage, do_save_with_audit, snapshot
 from budgets.alerts import check_provider_thresholds_safely
 from budgets.guard import AdmissionRequest, Decision, Fallback, LoopLimits, admit, settle
-from budgets.models import AuditEntry, Feature, TokenLog, unique_row
+from budgets.models import AuditEntry, Feature, RetrievalFacts, TokenLog, unique_row
 
-from .models import ModelAlias, QuantizationEvaluation, QuantizationPolicy, Transcript
+from . import retrieval
+from .models import Chunk, Document, ModelAlias, QuantizationEvaluation, QuantizationPolicy, Transcript
 
 
 def do_admit_request(
@@ -26,6 +30,7 @@ def do_admit_request(
     params: dict | None = None,
     end_user: str = "",
     fallback: Fallback | None = None,
+    retrieved: RetrievalFacts | None = None,
 ) -> Decision:
     """Ask the guard; when admitted, store the prompt for the worker. Refusals are logged by the guard.
 
@@ -41,6 +46,7 @@ def do_admit_request(
         max_tokens=max_tokens,
         loop=loop,
         fallback=fallback,
+        retrieval=retrieved,
     )
     decision = admit(request)
     if decision.admitted:
@@ -193,3 +199,51 @@ def do_set_model_aliases(actor: AbstractBaseUser | None, feature: Feature, names
         actor=actor, action="update", target=f"feature {feature.name}", field="model_aliases",
         before=", ".join(before) or "none", after=", ".join(sorted(names)) or "none",
     )
+
+
+# --- documents of a docs feature ------------------------------------------------------------------
+
+
+def do_save_document(
+    actor: AbstractBaseUser | None, feature: Feature, name: str, text: str, audience: str = Document.Audience.EVERYONE,
+    *, count_tokens=None,
+) -> tuple[Document, bool]:
+    """Add or replace the feature's document `name`, chunked and embedded; (document, changed).
+
+    The same text and audience again change nothing (load_docs may run at every start). A change
+    bumps the feature's retrieval-cache version after commit, so no cached search serves old passages.
+    """
+    sha = hashlib.sha256(text.encode()).hexdigest()
+    existing = Document.objects.filter(feature=feature, name=name).first()
+    if existing is not None and existing.sha256 == sha and existing.audience == audience:
+        return existing, False
+    # Chunked and embedded before the transaction: seconds of model work hold no row lock.
+    count_tokens = count_tokens or retrieval.model_token_counter()
+    passages = retrieval.chunk_markdown(text, count_tokens)
+    prompt_texts = [retrieval.passage_text(name, p.heading, p.text) for p in passages]
+    embeddings = retrieval.embed_passages(prompt_texts)
+    with transaction.atomic():
+        document, created = Document.objects.update_or_create(
+            feature=feature, name=name, defaults={"text": text, "sha256": sha, "audience": audience},
+        )
+        document.chunks.all().delete()
+        Chunk.objects.bulk_create([
+            Chunk(document=document, index=i, heading=p.heading[:500], text=p.text, tokens=count_tokens(t), embedding=e)
+            for i, (p, t, e) in enumerate(zip(passages, prompt_texts, embeddings, strict=True))
+        ])
+        AuditEntry.objects.create(
+            actor=actor, action="create" if created else "update", target=f"feature {feature.name}",
+            field="document", before="" if created else name, after=f"{name} ({audience}, {len(passages)} chunks)",
+        )
+        transaction.on_commit(partial(retrieval.bump_version, feature.pk))
+    return document, True
+
+
+def do_delete_document(actor: AbstractBaseUser | None, document: Document) -> None:
+    feature = document.feature
+    with transaction.atomic():
+        AuditEntry.objects.create(
+            actor=actor, action="delete", target=f"feature {feature.name}", field="document", before=document.name, after="",
+        )
+        document.delete()
+        transaction.on_commit(partial(retrieval.bump_version, feature.pk))

@@ -85,8 +85,13 @@ REQUESTS_REFUSED = Spec("requests_refused", "counter", "Requests the budget guar
 PREFIX_CACHE_HITS = Spec("prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached prompt tokens.")
 CACHE_HITS = Spec("cache_hits", "counter", "Answers served from the response cache, by kind (exact, semantic).", ("kind",))
 COST = Spec("cost_micro_usd", "counter", "Spend in micro-dollars, at the price in force at admission.", ("feature",))
+RETRIEVAL = Spec("retrieval_seconds", "histogram", "Histogram of a docs feature's retrieval time in seconds (before admission).", ("feature",), TTFT_BUCKETS)
+RETRIEVED_TOKENS = Spec("retrieved_tokens", "counter", "Prompt tokens that retrieval placed in docs features' prompts.", ("feature",))
+RETRIEVAL_CACHE = Spec("retrieval_cache_lookups", "counter", "Retrieval cache lookups of docs features, by result (hit, miss).", ("result",))
+RETRIEVAL_SAVED = Spec("retrieval_cache_saved_seconds", "counter", "Seconds of retrieval the retrieval cache saved (each replayed search's time less its hit's).")
 
-SPECS = (TTFT, TPOT, E2E, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, REQUESTS_REFUSED, PREFIX_CACHE_HITS, CACHE_HITS, COST)
+SPECS = (TTFT, TPOT, E2E, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, REQUESTS_REFUSED, PREFIX_CACHE_HITS, CACHE_HITS, COST,
+         RETRIEVAL, RETRIEVED_TOKENS, RETRIEVAL_CACHE, RETRIEVAL_SAVED)
 
 
 @lru_cache(maxsize=4)
@@ -117,9 +122,10 @@ def increments_for(row: TokenLog) -> list[Increment]:
     """What one settled or refused ledger row adds to the metrics (nothing for a running one)."""
     if row.status == TokenLog.Status.RUNNING:
         return []
-    if row.status == TokenLog.Status.REFUSED:
-        return [Increment(REQUESTS_REFUSED, "value", {"code": row.refusal_code or "unknown"}, 1)]
     feature = {"feature": row.feature.name if row.feature_id else NO_FEATURE}
+    retrieval = _retrieval_increments(row, feature)
+    if row.status == TokenLog.Status.REFUSED:
+        return [Increment(REQUESTS_REFUSED, "value", {"code": row.refusal_code or "unknown"}, 1), *retrieval]
     reason = FINISHED_REASON.get(row.status) or row.finish_reason or "stop"
     out = [
         Increment(REQUEST_SUCCESS, "value", feature | {"finished_reason": reason}, 1),
@@ -140,6 +146,20 @@ def increments_for(row: TokenLog) -> list[Increment]:
     if row.ttft_ms is not None and row.total_ms is not None and row.completion_tokens > 1:
         decode_s = max(0, row.total_ms - row.ttft_ms) / 1000
         out += _observe(TPOT, feature, decode_s / (row.completion_tokens - 1))
+    return out + retrieval
+
+
+def _retrieval_increments(row: TokenLog, feature: dict[str, str]) -> list[Increment]:
+    """A docs feature's retrieval: its time, its tokens, and whether the retrieval cache answered it."""
+    out: list[Increment] = []
+    if row.retrieval_ms is not None:
+        out += _observe(RETRIEVAL, feature, row.retrieval_ms / 1000)
+    if row.retrieved_tokens:
+        out.append(Increment(RETRIEVED_TOKENS, "value", feature, row.retrieved_tokens))
+    if row.retrieval_cache in ("hit", "miss"):
+        out.append(Increment(RETRIEVAL_CACHE, "value", {"result": row.retrieval_cache}, 1))
+    if row.retrieval_saved_ms:
+        out.append(Increment(RETRIEVAL_SAVED, "value", {}, row.retrieval_saved_ms / 1000))
     return out
 
 

@@ -186,3 +186,51 @@ class QuantizationEvaluation(models.Model):
 
 def _percent(part: int, whole: int) -> float:
     return round(100.0 * part / whole, 2) if whole else 0.0
+
+
+class Document(models.Model):
+    """A Markdown or text file a docs feature answers from, cut into chunks with their embeddings.
+
+    `audience` says who may read it: a passage of a staff document never reaches an end user's
+    prompt, retrieved fresh or from the retrieval cache (inference/retrieval.py).
+    """
+
+    class Audience(models.TextChoices):
+        EVERYONE = "everyone", "everyone"
+        STAFF = "staff", "staff only"
+
+    feature = models.ForeignKey(Feature, on_delete=models.CASCADE, related_name="documents")
+    name = models.CharField(max_length=200)  # the file's name, e.g. "budgets.md"
+    audience = models.CharField(max_length=16, choices=Audience.choices, default=Audience.EVERYONE)
+    text = models.TextField()
+    sha256 = models.CharField(max_length=64)  # of the text: loading the same file again changes nothing
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["feature", "name"], name="one_document_per_name_and_feature")]
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.feature.name}/{self.name}"
+
+
+class Chunk(models.Model):
+    """One passage of a document: a heading's paragraphs up to a token bound, and its embedding.
+
+    The embedding is the semantic cache's model (all-MiniLM-L6-v2), 384 float32s as bytes, unit length.
+    """
+
+    document = models.ForeignKey(Document, on_delete=models.CASCADE, related_name="chunks")
+    index = models.PositiveIntegerField()
+    heading = models.CharField(max_length=500, blank=True)  # "Budgets › The guard"
+    text = models.TextField()
+    tokens = models.PositiveIntegerField()  # in the served model's tokenizer, as placed in the prompt
+    embedding = models.BinaryField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["document", "index"], name="one_chunk_per_index")]
+        ordering = ["document_id", "index"]
+
+    def __str__(self) -> str:
+        return f"{self.document.name} #{self.index}"

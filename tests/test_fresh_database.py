@@ -102,11 +102,13 @@ def test_a_command_on_a_half_migrated_database_names_what_is_missing(migrated_sq
     path, _ = migrated_sqlite
     half = tmp_path / "half.sqlite3"
     half.write_bytes(path.read_bytes())
+    # The newest budgets migration: one behind an older one is not in the plan of an applied leaf.
+    latest = sorted(p.stem for p in (BASE_DIR / "budgets" / "migrations").glob("0*.py"))[-1]
     with sqlite3.connect(half) as db:  # as if the checkout was pulled after the last `migrate`
-        db.execute("DELETE FROM django_migrations WHERE app = 'budgets' AND name = '0014_quota_per_scope_and_local_price'")
+        db.execute("DELETE FROM django_migrations WHERE app = 'budgets' AND name = ?", (latest,))
     result = manage(f"sqlite:///{half}", "set_quota", "alice", "--period", "day", "--requests", "5")
     assert result.returncode == 2, result.stdout + result.stderr
-    assert (f"the database at {half} is not migrated (1 migration to apply: budgets.0014_quota_per_scope_and_local_price): "
+    assert (f"the database at {half} is not migrated (1 migration to apply: budgets.{latest}): "
             "run `manage.py migrate`.") in result.stderr
     assert "Traceback" not in result.stderr
 

@@ -12,9 +12,10 @@ from django.contrib.auth.decorators import login_required
 from django.core.handlers.asgi import ASGIRequest
 from django.db.models import Q, QuerySet
 from django.http import StreamingHttpResponse
-from django.shortcuts import render
+from django.shortcuts import get_object_or_404, render
 from django.utils import timezone
 
+from ..charts import request_latency_parts
 from ..forms import Cursor, LogFilterForm, PeriodForm, Position
 from ..models import TokenLog
 from ..periods import period_bounds
@@ -77,6 +78,16 @@ def token_logs(request):
         "more_than_cap": matching > COUNT_CAP,
     }
     return render(request, "budgets/logs.html", context)
+
+
+@staff_required
+def request_detail(request, request_id: str):
+    """One ledger row: what it used and cost, and where its time went (retrieval, prefill, decode)."""
+    row = get_object_or_404(TokenLog.objects.select_related("user", "feature", "requested_feature", "provider"),
+                            request_id=request_id)
+    parts = request_latency_parts(row)
+    context = {"row": row, "parts": parts, "parts_total_ms": sum(p.ms for p in parts)}
+    return render(request, "budgets/request_detail.html", context)
 
 
 def _keyset_page(

@@ -30,6 +30,7 @@ def overview(request: HttpRequest) -> HttpResponse:
         "last_hour": charts.last_hour_counts(now),
         "alerts": charts.alerts_this_month(now),
         "cache": _cache_view(charts.cache_savings_this_month(now)),
+        "retrieval": charts.retrieval_cache_this_month(now),
         "ttft": data["ttft"],
         "overview_data": data,
     }

@@ -7,8 +7,11 @@ of inference. The list of features and every other staff page stay in budgets/vi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from django.contrib import messages
 from django.db import IntegrityError
+from django.db.models import Count, Sum
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 
@@ -17,9 +20,16 @@ from budgets.forms import FeatureForm
 from budgets.models import Feature
 from budgets.permissions import staff_required
 from budgets.views.config import FEATURE_FIELDS, flash_saved
-from inference.actions import SwitchRefused, do_set_model_aliases, do_switch_quantization, evaluation_refusal
-from inference.console.forms import ModelAliasesForm
-from inference.models import QuantizationEvaluation
+from inference.actions import (
+    SwitchRefused,
+    do_delete_document,
+    do_save_document,
+    do_set_model_aliases,
+    do_switch_quantization,
+    evaluation_refusal,
+)
+from inference.console.forms import DocumentUploadForm, ModelAliasesForm
+from inference.models import Document, QuantizationEvaluation
 
 
 @staff_required
@@ -27,6 +37,16 @@ def feature_detail(request: HttpRequest, feature_id: int) -> HttpResponse:
     feature = get_object_or_404(Feature.objects.select_related("provider"), pk=feature_id)
     if request.method == "POST" and request.POST.get("form") == "quantization":
         return _switch_quantization(request, feature)
+    if request.method == "POST" and request.POST.get("form") == "delete-document":
+        return _delete_document(request, feature)
+    if request.method == "POST" and request.POST.get("form") == "document":
+        upload_form = DocumentUploadForm(request.POST, request.FILES)
+        if upload_form.is_valid():
+            return _save_document(request, feature, upload_form)
+        context = {"feature": feature, "name": feature.name, "form": FeatureForm(instance=feature),
+                   "aliases_form": ModelAliasesForm(feature=feature)}
+        context |= _quantization_context(feature) | _documents_context(feature, upload_form)
+        return render(request, "inference/feature_detail.html", context, status=400)
     aliases_form = ModelAliasesForm(feature=feature)
     if request.method == "POST" and request.POST.get("form") == "aliases":
         aliases_form = ModelAliasesForm(request.POST, feature=feature)
@@ -34,7 +54,7 @@ def feature_detail(request: HttpRequest, feature_id: int) -> HttpResponse:
             return redirect("staff-feature", feature.pk)
         form = FeatureForm(instance=feature)
         context = {"feature": feature, "name": feature.name, "form": form, "aliases_form": aliases_form}
-        return render(request, "inference/feature_detail.html", context | _quantization_context(feature))
+        return render(request, "inference/feature_detail.html", context | _quantization_context(feature) | _documents_context(feature))
     before = snapshot(feature, FEATURE_FIELDS)  # the form writes into the instance while validating
     form = FeatureForm(request.POST if request.method == "POST" else None, instance=feature)
     if form.is_bound and form.is_valid():
@@ -42,7 +62,7 @@ def feature_detail(request: HttpRequest, feature_id: int) -> HttpResponse:
         flash_saved(request, len(entries))
         return redirect("staff-feature", feature.pk)
     context = {"feature": feature, "name": before["name"], "form": form, "aliases_form": aliases_form}
-    context |= _quantization_context(feature)
+    context |= _quantization_context(feature) | _documents_context(feature)
     return render(request, "inference/feature_detail.html", context)
 
 
@@ -82,4 +102,32 @@ def _switch_quantization(request: HttpRequest, feature: Feature) -> HttpResponse
             messages.success(request, f"{feature.name} is now served with {feature.get_quantization_display()}.")
         else:
             messages.info(request, f"{feature.name} was already served with {feature.get_quantization_display()}.")
+    return redirect("staff-feature", feature.pk)
+
+
+# --- documents of a docs feature ------------------------------------------------------------------
+
+
+def _documents_context(feature: Feature, upload_form: DocumentUploadForm | None = None) -> dict:
+    documents = feature.documents.annotate(chunk_count=Count("chunks"), tokens=Sum("chunks__tokens")).order_by("name")
+    return {"documents": documents, "upload_form": upload_form or DocumentUploadForm()}
+
+
+def _save_document(request: HttpRequest, feature: Feature, form: DocumentUploadForm) -> HttpResponse:
+    if feature.mode != Feature.Mode.DOCS:
+        messages.error(request, f"{feature.name} is in {feature.mode} mode; documents serve a feature in docs mode. Switch its mode first.")
+        return redirect("staff-feature", feature.pk)
+    name = Path(form.cleaned_data["file"].name).name
+    document, changed = do_save_document(request.user, feature, name, form.cleaned_data["text"], form.cleaned_data["audience"])
+    if changed:
+        messages.success(request, f"{name} is loaded: {document.chunks.count()} chunks, readable by {document.get_audience_display()}.")
+    else:
+        messages.info(request, f"{name} was already loaded with this text and audience; nothing changed.")
+    return redirect("staff-feature", feature.pk)
+
+
+def _delete_document(request: HttpRequest, feature: Feature) -> HttpResponse:
+    document = get_object_or_404(Document, pk=request.POST.get("document") or 0, feature=feature)
+    do_delete_document(request.user, document)
+    messages.success(request, f"{document.name} is deleted; {feature.name} no longer answers from it.")
     return redirect("staff-feature", feature.pk)

@@ -9,7 +9,8 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 
 from budgets.models import Feature
-from inference.models import ModelAlias
+from inference.models import Document, ModelAlias
+from inference.retrieval import MAX_DOCUMENT_BYTES, DocumentRejected, document_text
 
 MAX_ITEMS = 1000
 MAX_ALIASES = 20
@@ -87,3 +88,32 @@ class ModelAliasesForm(forms.Form):
         for alias in taken:
             raise forms.ValidationError(f"{alias.name!r} already routes to the feature {alias.feature.name!r}; an alias belongs to one feature.")
         return names
+
+
+class DocumentUploadForm(forms.Form):
+    """One Markdown or text file for a docs feature, and who may read it."""
+
+    file = forms.FileField(
+        label="Markdown or text file",
+        help_text=f"A .md, .markdown or .txt file in UTF-8, at most {MAX_DOCUMENT_BYTES // 1024:,} KiB. "
+                  "A file with the name of an existing document replaces it.",
+        error_messages={"required": "Choose a file to upload.", "empty": "The file is empty: there is nothing to answer from."},
+    )
+    audience = forms.ChoiceField(
+        choices=Document.Audience.choices, initial=Document.Audience.EVERYONE,
+        help_text="Staff-only documents never reach an end user's prompt.",
+    )
+
+    def clean_file(self):
+        upload = self.cleaned_data["file"]
+        name = upload.name or ""
+        if upload.size > MAX_DOCUMENT_BYTES:  # refused before it is read
+            raise forms.ValidationError(
+                f"{name!r} is {upload.size / 1024:,.0f} KiB; a document may be at most {MAX_DOCUMENT_BYTES // 1024:,} KiB. "
+                "Split it into several files."
+            )
+        try:
+            self.cleaned_data["text"] = document_text(name, upload.read(), upload.content_type or "")
+        except DocumentRejected as exc:
+            raise forms.ValidationError(str(exc)) from exc
+        return upload

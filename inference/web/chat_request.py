@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 from asgiref.sync import sync_to_async
@@ -38,7 +38,8 @@ from django.db import DatabaseError
 
 from budgets.actions import do_log_cache_hit, do_log_refusal
 from budgets.guard import Decision, Fallback, LoopLimits
-from budgets.models import Feature, Provider, TokenLog, unique_row
+from budgets.models import Feature, Provider, RetrievalFacts, TokenLog, unique_row
+from inference import retrieval
 from inference.actions import do_admit_request, do_finish_request, settle_reservation
 from inference.bus.cancel import arequest_cancel
 from inference.bus.inbox import stream_inbox
@@ -89,7 +90,12 @@ async def _admit_and_stream(request_id: str, user: AbstractBaseUser, frame: Chat
     if frame.params.tools and not is_remote(feature):
         yield {"type": "error", "code": "tools_unsupported", "message": modes.tools_unsupported_message(feature.name)}
         return
-    if feature.mode == Feature.Mode.EXTRACT:
+    if feature.mode == Feature.Mode.DOCS:
+        # The passages go into the prompt before its tokens are counted: the input limit, the guard
+        # and the ledger all see the prompt the model will read.
+        messages, retrieved = await retrieve_into_prompt(feature, user, frame.messages)
+        events = _answer(request_id, user, feature, replace(frame, messages=messages), retrieved)
+    elif feature.mode == Feature.Mode.EXTRACT:
         frame = replace(frame, messages=modes.extract_messages(frame.messages))
         events = _answer_once(_answer(request_id, user, feature, frame))
     elif frame.params.json_mode:
@@ -129,8 +135,10 @@ async def _answer_once(events: AsyncIterator[dict], schema: dict | None = None) 
             yield event
 
 
-async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, frame: ChatFrame) -> AsyncIterator[dict]:
-    prompt_ids, refusal = await _check_before_guard(request_id, user, feature, frame)
+async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, frame: ChatFrame,
+                  retrieved: RetrievedContext | None = None) -> AsyncIterator[dict]:
+    facts = retrieved.facts if retrieved else None
+    prompt_ids, refusal = await _check_before_guard(request_id, user, feature, frame, facts)
     if refusal is not None:
         yield refusal
         return
@@ -138,11 +146,15 @@ async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, fra
     # A sampled or shaped answer is not the one a cache holds for these messages.
     cacheable = feature.cache_ttl_s and frame.params.cacheable
     key = caches.cache_key(feature, user, model_name(feature), max_tokens, frame.messages) if cacheable else None
+    if key is not None and retrieved is not None:
+        # An answer drawn from a staff document is never reused for someone who may not read it,
+        # not even as a semantic near-match of a shared feature.
+        key = replace(key, scope=f"{key.scope}:{'+'.join(retrieval.audiences_for(user))}")
     if key is not None:
         hit = await sync_to_async(caches.lookup, thread_sensitive=False)(feature, key)
         if hit is not None:
-            for event in await serve_cached(request_id, user, feature, len(prompt_ids), max_tokens, hit):
-                yield event
+            for event in await serve_cached(request_id, user, feature, len(prompt_ids), max_tokens, hit, facts):
+                yield with_sources(event, retrieved)
             return
     inbox = stream_inbox()
     # Open the request's queue before the worker can send the first frame.
@@ -150,7 +162,7 @@ async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, fra
     ended = False  # nothing left to stop: the worker finished it, or the guard refused it
     try:
         loop = LoopLimits(frame.loop_id, settings.CEILING_LOOP_MAX_CALLS, settings.CEILING_LOOP_MAX_COST_MICRO_USD) if frame.loop_id else None
-        decision = await _admit_shielded(request_id, user, feature, frame, prompt_ids, max_tokens, loop)
+        decision = await _admit_shielded(request_id, user, feature, frame, prompt_ids, max_tokens, loop, facts)
         if not decision.admitted:
             ended = True
             yield {"type": "refused", "code": decision.code, "message": decision.message, "retry_after_s": decision.retry_after_s}
@@ -158,7 +170,7 @@ async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, fra
         # Dispatch before announcing it: from here on, stopping early only needs a cancel.
         await dispatch_generation(request_id, inbox.key)
         for event in admitted_events(decision, len(prompt_ids)):
-            yield event
+            yield with_sources(event, retrieved)
         # The fallback's answer is not the one this feature's cache should hand out later.
         if decision.fell_back_to is not None:
             key = None
@@ -211,12 +223,12 @@ def fallback_for(feature: Feature, frame: ChatFrame, prompt_tokens: int) -> Fall
 
 
 async def _check_before_guard(
-    request_id: str, user: AbstractBaseUser, feature: Feature, frame: ChatFrame
+    request_id: str, user: AbstractBaseUser, feature: Feature, frame: ChatFrame, facts: RetrievalFacts | None = None
 ) -> tuple[list[int], dict | None]:
     """(the prompt's token ids, None), or the refusal decided here rather than by the guard (logged)."""
     if not feature.enabled:
         message = f"The feature {feature.name!r} is switched off by the operators."
-        await log_refusal(request_id, user, feature, "feature_disabled", message, 0, frame.max_tokens)
+        await log_refusal(request_id, user, feature, "feature_disabled", message, 0, frame.max_tokens, facts)
         return [], {"type": "refused", "code": "feature_disabled", "message": message, "retry_after_s": None}
     limit = min(feature.max_input_tokens, settings.CEILING_MAX_INPUT_TOKENS)
     prompt_ids: list[int] = []
@@ -225,18 +237,18 @@ async def _check_before_guard(
         prompt_ids = await sync_to_async(chat_prompt_ids, thread_sensitive=False)(frame.messages)
         refusal = input_too_long_by_count(len(prompt_ids), limit)
     if refusal is not None:
-        await log_refusal(request_id, user, feature, "max_input_tokens", refusal, len(prompt_ids), frame.max_tokens)
+        await log_refusal(request_id, user, feature, "max_input_tokens", refusal, len(prompt_ids), frame.max_tokens, facts)
         return prompt_ids, {"type": "refused", "code": "max_input_tokens", "message": refusal, "retry_after_s": None}
     return prompt_ids, None
 
 
-async def _admit_shielded(request_id, user, feature, frame, prompt_ids, max_tokens, loop) -> Decision:
+async def _admit_shielded(request_id, user, feature, frame, prompt_ids, max_tokens, loop, facts=None) -> Decision:
     """Ask the guard; if our caller goes away meanwhile, an admitted request is closed as cancelled.
 
     The guard runs in a thread that cancelling cannot stop, so without this a request admitted just
     after its client left would hold its reservation until reconciliation fails it.
     """
-    admission = asyncio.ensure_future(admit_request(request_id, user, feature, frame, prompt_ids, max_tokens, loop))
+    admission = asyncio.ensure_future(admit_request(request_id, user, feature, frame, prompt_ids, max_tokens, loop, facts))
     try:
         return await asyncio.shield(admission)
     except asyncio.CancelledError:
@@ -396,7 +408,7 @@ def get_feature(name: str) -> Feature | None:
 # the guard is built for concurrent admissions (tests/test_guard*.py), and 64 chats arriving together
 # otherwise queue one behind another for their ~12 ledger queries each.
 @partial(database_sync_to_async, thread_sensitive=False)
-def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, max_tokens, loop) -> Decision:
+def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, max_tokens, loop, facts=None) -> Decision:
     return do_admit_request(
         request_id=request_id,
         user=user,
@@ -409,11 +421,12 @@ def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, max_t
         params=frame.params.stored(),
         end_user=frame.params.end_user,
         fallback=fallback_for(feature, frame, len(prompt_ids)),
+        retrieved=facts,
     )
 
 
 @database_sync_to_async
-def log_refusal(request_id, user, feature, code, message, prompt_tokens, max_tokens) -> None:
+def log_refusal(request_id, user, feature, code, message, prompt_tokens, max_tokens, facts=None) -> None:
     do_log_refusal(
         request_id=request_id,
         user=user,
@@ -423,15 +436,18 @@ def log_refusal(request_id, user, feature, code, message, prompt_tokens, max_tok
         message=message,
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
+        retrieval=facts,
     )
 
 
 @database_sync_to_async
-def serve_cached(request_id, user, feature, prompt_tokens: int, max_tokens: int, hit: caches.CachedAnswer) -> list[dict]:
+def serve_cached(request_id, user, feature, prompt_tokens: int, max_tokens: int, hit: caches.CachedAnswer,
+                 facts: RetrievalFacts | None = None) -> list[dict]:
     """A cache hit: logged at cost 0 with what it saved, then the protocol's frames for it."""
     row = do_log_cache_hit(
         request_id=request_id, user=user, feature=feature, model=model_name(feature), prompt_tokens=prompt_tokens,
         completion_tokens=hit.completion_tokens, max_tokens=max_tokens, kind=hit.kind, saved_micro_usd=hit.cost_micro_usd,
+        retrieval=facts,
     )
     return [
         {"type": "accepted", "request_id": request_id, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens},
@@ -441,6 +457,38 @@ def serve_cached(request_id, user, feature, prompt_tokens: int, max_tokens: int,
             "ttft_ms": row.ttft_ms, "total_ms": row.total_ms, "finish_reason": "stop", "cache": hit.kind,
         },
     ]
+
+
+@dataclass(frozen=True)
+class RetrievedContext:
+    """What a docs feature's retrieval put into the prompt: the ledger's facts and the passages' sources."""
+
+    facts: RetrievalFacts
+    sources: list[dict]
+
+
+@partial(database_sync_to_async, thread_sensitive=False)
+def retrieve_into_prompt(feature: Feature, user: AbstractBaseUser, messages: list[dict]) -> tuple[list[dict], RetrievedContext]:
+    """The conversation with the passages the user may read in its system prompt, and what they added.
+
+    retrieved_tokens counts the passages' block in the served model's tokenizer, as the prompt holds it.
+    """
+    found = retrieval.retrieve(feature, user, retrieval.last_question(messages))
+    tokens = retrieval.model_token_counter()(retrieval.context_text(found.chunks)) if found.chunks else 0
+    facts = RetrievalFacts(retrieved_tokens=tokens, retrieval_ms=found.ms, retrieval_cache=found.cache,
+                           retrieval_saved_ms=found.saved_ms)
+    sources = [{"n": n, "document": c.document, "heading": c.heading, "score": c.score}
+               for n, c in enumerate(found.chunks, start=1)]
+    return retrieval.docs_messages(messages, found.chunks), RetrievedContext(facts, sources)
+
+
+def with_sources(event: dict, retrieved: RetrievedContext | None) -> dict:
+    """`accepted` of a docs answer names the passages its prompt holds (the numbers the answer cites)."""
+    if retrieved is None or event["type"] != "accepted":
+        return event
+    facts = retrieved.facts
+    return {**event, "retrieval": {"retrieved_tokens": facts.retrieved_tokens, "retrieval_ms": facts.retrieval_ms,
+                                   "cache": facts.retrieval_cache, "sources": retrieved.sources}}
 
 
 def remember_answer(feature, key: caches.CacheKey, request_id: str) -> None:

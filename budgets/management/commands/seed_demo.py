@@ -1,6 +1,7 @@
 """`manage.py seed_demo [--no-history]`: idempotent demo data that shows the ceiling on first load.
 
-- the staff user `staff` and the end user `alice` (passwords printed once), the feature `chat`;
+- the staff user `staff` and the end user `alice` (passwords printed once), the feature `chat`, and
+  the feature `docs` (answers from documents; `load_docs` loads Ceiling's docs/ into it);
 - alice's daily caps, small enough that a few chats reach them;
 - the local provider at a realistic hourly cost with a monthly limit, so its tokens are priced
   (budgets/selfhosted.py) and its spend has a ceiling;
@@ -32,6 +33,7 @@ from budgets.money import format_usd
 from .synth_logs import PREFIX as SYNTHETIC_PREFIX
 
 DEMO_USERS = (("staff", True), ("alice", False))
+DOCS_DESCRIPTION = "Questions about Ceiling, answered from its documentation"
 # No person runs this: the audit trail's entries have no actor, as with set_quota.
 COMMAND_LINE_ACTOR = None
 # A few chats of a few hundred tokens each reach these (the refusal and its reset time show).
@@ -59,6 +61,9 @@ class Command(DatabaseCommand):
 
     def handle(self, *args, no_history: bool = False, **options) -> None:
         Feature.objects.get_or_create(name="chat", defaults={"description": "Chat with the model"})
+        # Its documents (Ceiling's own docs/) are loaded by `manage.py load_docs`, which `make run`
+        # runs next: chunking and embedding belong to inference, which budgets never imports.
+        Feature.objects.get_or_create(name="docs", defaults={"description": DOCS_DESCRIPTION, "mode": Feature.Mode.DOCS})
         users = self._users()
         self._alice_caps(users["alice"])
         provider = self._local_provider()
