@@ -16,6 +16,7 @@ from .bus.stats import publish_stats_forever
 from .engines import get_engine, process_stats, shutdown_engine
 from .worker import handles
 from .worker.generation import run_generation
+from .worker.lost import settle_lost_requests_forever
 from .worker.throughput import report_throughput_forever
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,11 @@ def start_worker_services() -> None:
     if settings.CEILING_RECONCILE_EVERY_S > 0:
         threading.Thread(
             target=reconcile_forever, args=(_stop_services, settings.CEILING_RECONCILE_EVERY_S), name="reconciliation", daemon=True
+        ).start()
+    if settings.CEILING_LOST_SWEEP_EVERY_S > 0:
+        threading.Thread(
+            target=settle_lost_requests_forever, args=(_stop_services, settings.CEILING_LOST_SWEEP_EVERY_S),
+            name="lost-request-sweep", daemon=True,
         ).start()
     if settings.CEILING_THROUGHPUT_EVERY_S > 0:
         threading.Thread(

@@ -344,6 +344,9 @@ CEILING_RESERVATION_TTL_S = envint("CEILING_RESERVATION_TTL_S", 600, minimum=60)
 # Each worker sweeps lost requests, unsettled counters and unsent alerts this often; 0 turns the
 # sweep off (tests that drive those paths by hand turn it off in their workers, so a sweep cannot race them).
 CEILING_RECONCILE_EVERY_S = envfloat("CEILING_RECONCILE_EVERY_S", 60.0, minimum=0.0)
+# Each worker settles the requests of dead workers (their heartbeat expired) this often: failed, with the
+# tokens they had streamed, reservations released (inference/worker/lost.py); 0 turns it off.
+CEILING_LOST_SWEEP_EVERY_S = envfloat("CEILING_LOST_SWEEP_EVERY_S", 5.0, minimum=0.0)
 # How often each worker reports its engine's peak throughput, which prices local tokens (0: never).
 CEILING_THROUGHPUT_EVERY_S = envfloat("CEILING_THROUGHPUT_EVERY_S", 30.0, minimum=0.0)
 CEILING_LOOP_MAX_CALLS = envint("CEILING_LOOP_MAX_CALLS", 10, minimum=1)

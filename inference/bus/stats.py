@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import threading
+import uuid
 from collections.abc import Callable
 
 import redis
@@ -26,8 +27,13 @@ STATS_TTL_S = 5
 heartbeat = threading.Event()
 
 
+# host:pid alone may come back: a restarted container often has the same hostname and pid, and its
+# heartbeat would make the dead process's requests look alive. A token per process start tells them apart.
+_START_TOKEN = uuid.uuid4().hex[:6]
+
+
 def worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    return f"{socket.gethostname()}:{os.getpid()}:{_START_TOKEN}"
 
 
 def is_worker_alive(worker: str) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,10 +40,17 @@ from django.db import DatabaseError
 from budgets.actions import do_log_cache_hit, do_log_refusal
 from budgets.guard import Decision, Fallback, LoopLimits
 from budgets.models import Feature, Provider, TokenLog, unique_row
-from inference.actions import do_admit_request, do_finish_request, settle_reservation
+from inference.actions import (
+    WORKER_LOST_ERROR,
+    do_admit_request,
+    do_fail_lost_request,
+    do_finish_request,
+    settle_reservation,
+    worker_lost_event,
+)
 from inference.bus.cancel import arequest_cancel
 from inference.bus.inbox import stream_inbox
-from inference.bus.ownership import lost_request_progress, release_claim
+from inference.bus.ownership import lost_request_progress
 from inference.models import Transcript
 from inference.web import caches, modes
 from inference.web.frames import ChatFrame
@@ -334,6 +342,9 @@ def recover_from_ledger(request_id: str, streamed_text: str, next_seq: int) -> l
     if row is None or row.status == TokenLog.Status.RUNNING:
         return []
     if row.status == TokenLog.Status.FAILED:
+        lost = re.fullmatch(WORKER_LOST_ERROR.format(tokens=r"(\d+)"), row.error)
+        if lost:  # settled by a worker that swept its dead owner, whose frame did not reach us
+            return [worker_lost_event(request_id, int(lost[1]))]
         return [{"type": "error", "request_id": request_id, "code": "engine_failed",
                  "message": f"The model could not finish this answer: {row.error or 'unknown error'}."}]
     events = []
@@ -362,18 +373,9 @@ def fail_if_worker_lost(request_id: str, prompt_tokens: int, streamed_text: str)
     if tokens is None:
         return []
     close_old_connections()
-    error = f"the worker running it stopped after {tokens} tokens"
-    settled = do_finish_request(
-        request_id, status=TokenLog.Status.FAILED, prompt_tokens=prompt_tokens, completion_ids=[],
-        completion_tokens=tokens, text=streamed_text, finish_reason="", ttft_ms=None, error=error,
-    )
-    release_claim(request_id)
-    if settled is None:
-        return []  # settled meanwhile: the next ledger check ends it
-    settle_reservation(request_id)
-    message = (f"The worker generating this answer stopped unexpectedly after {tokens} tokens "
-               "(those are counted; the rest is not). Please try again.")
-    return [{"type": "error", "request_id": request_id, "code": "worker_lost", "message": message}]
+    if do_fail_lost_request(request_id, tokens=tokens, text=streamed_text, prompt_tokens=prompt_tokens) is None:
+        return []  # settled meanwhile (by its worker or a sweeping one): the next ledger check ends it
+    return [worker_lost_event(request_id, tokens)]
 
 
 def _timeout_event(first_token_seen: bool) -> dict:
