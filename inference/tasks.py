@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from functools import partial
 
 from celery import shared_task
 from celery.signals import worker_init, worker_shutdown
@@ -14,6 +15,7 @@ from budgets.reconcile import reconcile_forever
 from .bus.cancel import listen_for_cancellations
 from .bus.stats import publish_stats_forever
 from .engines import get_engine, process_stats, shutdown_engine
+from .variants import mark_served, worker_variants
 from .worker import handles
 from .worker.generation import run_generation
 from .worker.lost import settle_lost_requests_forever
@@ -91,6 +93,7 @@ def start_worker_services() -> None:
     threading.Thread(
         target=publish_stats_forever,
         args=(process_stats, _stop_services),  # every weight variant this worker hosts
+        kwargs={"with_beat": partial(mark_served, variants=worker_variants())},  # its queues are served
         name="stats-publisher",
         daemon=True,
     ).start()

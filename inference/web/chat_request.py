@@ -40,6 +40,7 @@ from django.db import DatabaseError
 from budgets.actions import do_log_cache_hit, do_log_refusal
 from budgets.guard import Decision, Fallback, LoopLimits
 from budgets.models import Feature, Provider, TokenLog, unique_row
+from inference import variants
 from inference.actions import (
     WORKER_LOST_ERROR,
     do_admit_request,
@@ -164,7 +165,8 @@ async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, fra
             yield {"type": "refused", "code": decision.code, "message": decision.message, "retry_after_s": decision.retry_after_s}
             return
         # Dispatch before announcing it: from here on, stopping early only needs a cancel.
-        await dispatch_generation(request_id, inbox.key)
+        # To the queue of the weight variant that serves it: the fallback's, when the guard chose it.
+        await dispatch_generation(request_id, inbox.key, variants.variant_of(decision.fell_back_to or feature))
         for event in admitted_events(decision, len(prompt_ids)):
             yield event
         # The fallback's answer is not the one this feature's cache should hand out later.
@@ -226,6 +228,12 @@ async def _check_before_guard(
         message = f"The feature {feature.name!r} is switched off by the operators."
         await log_refusal(request_id, user, feature, "feature_disabled", message, 0, frame.max_tokens)
         return [], {"type": "refused", "code": "feature_disabled", "message": message, "retry_after_s": None}
+    variant = variants.variant_of(feature)
+    if variant != variants.default_variant() and not await sync_to_async(variants.is_served, thread_sensitive=False)(variant):
+        # Queued, it would wait for the first-token timeout in a queue nobody reads.
+        message = variants.unavailable_message(feature.name, variant)
+        await log_refusal(request_id, user, feature, "variant_unavailable", message, 0, frame.max_tokens)
+        return [], {"type": "refused", "code": "variant_unavailable", "message": message, "retry_after_s": None}
     limit = min(feature.max_input_tokens, settings.CEILING_MAX_INPUT_TOKENS)
     prompt_ids: list[int] = []
     refusal = input_too_long_by_size(frame.messages, limit)
@@ -459,11 +467,12 @@ def remember_answer(feature, key: caches.CacheKey, request_id: str) -> None:
 
 
 @sync_to_async(thread_sensitive=False)
-def dispatch_generation(request_id: str, reply_to: str) -> None:
+def dispatch_generation(request_id: str, reply_to: str, variant: str | None = None) -> None:
     from inference.tasks import generate
 
+    queue = variants.variant_queue(variant or variants.default_variant())
     try:
-        generate.apply_async(args=[request_id, reply_to], queue=settings.CEILING_INFERENCE_QUEUE, retry=False)
+        generate.apply_async(args=[request_id, reply_to], queue=queue, retry=False)
     except Exception as exc:
         # Never leave an admitted request holding its reservation because the broker was away.
         fail_undispatched(request_id, str(exc))
