@@ -90,3 +90,11 @@ def variants_in_use() -> list[str]:
     features = Feature.objects.filter(enabled=True).exclude(provider__kind=Provider.Kind.OPENAI_COMPATIBLE)
     used = set(features.values_list("quantization", flat=True))
     return [default_variant(), *sorted(used - {default_variant()})]
+
+
+def variant_model_name(variant: str) -> str:
+    """Our model as logged and priced when served with these weights: "<model>@int8", or the bare name
+    for full precision; each variant has its own ModelPrice (budgets.guard.price_in_force)."""
+    from budgets.guard import VARIANT_SEPARATOR
+
+    return settings.CEILING_MODEL_NAME if variant in ("", "none") else f"{settings.CEILING_MODEL_NAME}{VARIANT_SEPARATOR}{variant}"
