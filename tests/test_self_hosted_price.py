@@ -305,3 +305,12 @@ def test_a_variant_price_staff_set_stands_against_measurements(local, alice, cha
     assert row.price == priced_local  # chat() logs the bare model: full precision's price
     row = finish(admit(AdmissionRequest(uuid.uuid4().hex, alice, chat_feature, INT8_MODEL, 1_000, 300)), 300)
     assert row.price == explicit and row.cost_micro_usd == explicit.cost_micro_usd(1_000, 300)
+
+
+def test_staff_price_a_variant_by_its_name_without_marking_it_new(staff_client, local):
+    url = reverse("staff-provider", args=[local.pk])
+    data = {"form": "price", "model": INT8_MODEL, "input_usd": "0.01", "output_usd": "0.02", "cached_input_usd": "",
+            "effective_from": ""}
+    assert staff_client.post(url, data).status_code == 302
+    price = ModelPrice.objects.get(model=INT8_MODEL)
+    assert (price.source, price.output_per_million_micro_usd) == (ModelPrice.Source.STAFF, 20_000)
