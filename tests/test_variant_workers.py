@@ -122,3 +122,20 @@ def test_runstack_refuses_an_unknown_variant():
 
     with pytest.raises(CommandError, match="--variants: each must be one of none, int8, q4, bf16"):
         call_command("runstack", "--variants", "fp8")
+
+
+def test_a_fallback_on_weights_no_worker_serves_is_no_fallback(transactional_db, redis_db):
+    from inference.web.chat_request import fallback_for
+    from inference.web.frames import ChatFrame
+
+    queue = SERVING_KEY.format(variant_queue("q4"))
+    redis_db.delete(queue)
+    small = Feature.objects.create(name="small", quantization="q4")
+    chat_feature = Feature.objects.create(name="chat", fallback=small)
+    frame = ChatFrame(feature="chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+    assert fallback_for(chat_feature, frame, prompt_tokens=5) is None
+    redis_db.set(queue, "some-worker", ex=60)  # a q4 worker says it serves the queue
+    try:
+        assert fallback_for(chat_feature, frame, prompt_tokens=5).feature == small
+    finally:
+        redis_db.delete(queue)

@@ -207,8 +207,9 @@ def admitted_events(decision: Decision, prompt_tokens: int) -> list[dict]:
 def fallback_for(feature: Feature, frame: ChatFrame, prompt_tokens: int) -> Fallback | None:
     """The feature's fallback, when it could serve this request at all; whether it fits is the guard's call.
 
-    A switched-off fallback, one whose input limit the prompt passes, or one on the local engine for a
-    request with tools is no fallback for it. Its own fallback is not followed (one hop, no loops).
+    A switched-off fallback, one whose input limit the prompt passes, one on the local engine for a
+    request with tools, or one on weights no worker serves is no fallback for it. Its own fallback is
+    not followed (one hop, no loops).
     """
     fallback = feature.fallback
     if fallback is None or not fallback.enabled:
@@ -217,6 +218,8 @@ def fallback_for(feature: Feature, frame: ChatFrame, prompt_tokens: int) -> Fall
         return None
     if frame.params.tools and not is_remote(fallback):
         return None
+    if not variants.is_served(variants.variant_of(fallback)):
+        return None  # its weights have no worker: it would wait in a queue nobody reads
     return Fallback(fallback, model_name(fallback), min(frame.max_tokens, fallback.max_output_tokens))
 
 
