@@ -504,6 +504,41 @@ def do_record_throughput(
     return prices
 
 
+def do_record_variant_throughput(
+    decode_tokens_per_s: float, prefill_tokens_per_s: float, *, model: str, at: datetime | None = None
+) -> list[ModelPrice]:
+    """A weight variant's workers' measured peak rates: its own price ("<model>@<variant>") for every
+    local provider with an hourly cost, from that cost and these rates; the provider's own rates (its
+    full-precision model's) are left alone.
+
+    As for the full-precision model, only a faster engine makes a new price (5% or more: a lower
+    price at the same cost), except that the first report, and the first after staff changed the
+    provider's cost or utilisation, re-derive it whatever the rate. A price staff set for the variant
+    themselves stands (it is not replaced by a measured one). Returns the new price rows.
+    """
+    if decode_tokens_per_s <= 0:
+        return []
+    at = at or timezone.now()
+    prices = []
+    with transaction.atomic():
+        for provider in Provider.objects.select_for_update().filter(kind=Provider.Kind.LOCAL).order_by("pk"):
+            machine = LocalCost.of(provider)
+            if machine is None:
+                continue
+            cost = machine.with_rates(decode_tokens_per_s, prefill_tokens_per_s, at)
+            price = cost.price(provider, model, at)
+            current = unique_row(ModelPrice.objects.filter(provider=provider, model=model, effective_from__lte=at)
+                                 .order_by("-effective_from"))
+            if current is not None and current.source != ModelPrice.Source.MEASURED:
+                continue  # staff priced this variant themselves: their price stands
+            if (current is not None and current.basis.startswith(cost.cost_basis() + ";")
+                    and price.output_per_million_micro_usd * THROUGHPUT_NEWS > current.output_per_million_micro_usd):
+                continue  # not 5% faster than the engine this price came from
+            do_save_with_audit(None, price, PRICE_FIELDS, None, target=f"price {provider.name}/{model}")
+            prices.append(price)
+    return prices
+
+
 def _recorded_rates(provider: Provider, decode: float, prefill: float) -> tuple[float, float | None] | None:
     """The rates to store for this report, or None when it brings nothing new."""
     if provider.throughput_measured_at is None:  # never measured, or only assumed

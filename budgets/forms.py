@@ -373,8 +373,14 @@ class PriceForm(forms.Form):
 
 
 def known_models(provider: Provider) -> list[str]:
-    """The models this provider has prices for, and the model the local engine serves."""
+    """The models this provider has prices for, and the model the local engine serves (a local
+    provider: with each weight variant's name too, "<model>@int8", which staff may price apart)."""
     names = set(provider.prices.order_by().values_list("model", flat=True).distinct()) | {settings.CEILING_MODEL_NAME}
+    if provider.kind == Provider.Kind.LOCAL:
+        from .guard import VARIANT_SEPARATOR
+
+        names |= {f"{settings.CEILING_MODEL_NAME}{VARIANT_SEPARATOR}{variant}"
+                  for variant in Feature.Quantization.values if variant != Feature.Quantization.NONE}
     return sorted(names)
 
 

@@ -141,12 +141,21 @@ def _limits(quota: Quota) -> Limits:
     return Limits(quota.max_requests, quota.max_tokens, quota.max_cost_micro_usd)
 
 
+# A local model served with other weights is logged as "<model>@<variant>" (int8, q4, bf16), priced by
+# its own ModelPrice (measured from its own workers' throughput, or set by staff); until it has one,
+# at the full-precision model's price, as before variants were priced apart.
+VARIANT_SEPARATOR = "@"
+
+
 def price_in_force(provider: Provider, model: str, at: datetime) -> ModelPrice | None:
-    return (
+    price = (
         ModelPrice.objects.filter(provider=provider, model=model, effective_from__lte=at)
         .order_by("-effective_from")
         .first()
     )
+    if price is None and provider.kind == Provider.Kind.LOCAL and VARIANT_SEPARATOR in model:
+        return price_in_force(provider, model.rpartition(VARIANT_SEPARATOR)[0], at)
+    return price
 
 
 # --- admission -----------------------------------------------------------------------------------

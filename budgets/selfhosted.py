@@ -69,8 +69,16 @@ class LocalCost:
         prefill = f"{self.prefill_tokens_per_s:,.0f} prefill tok/s" if self.prefill_tokens_per_s else "no prefill rate"
         when = (f"measured by the workers {timezone.localtime(self.measured_at):%Y-%m-%d %H:%M}" if self.measured_at
                 else "assumed (no worker has measured yet)")
-        return (f"{format_usd(self.hourly_micro_usd)}/h at {self.utilisation_percent}% utilisation; "
-                f"{self.decode_tokens_per_s:,.0f} decode tok/s, {prefill}, {when}")
+        return f"{self.cost_basis()}; {self.decode_tokens_per_s:,.0f} decode tok/s, {prefill}, {when}"
+
+    def cost_basis(self) -> str:
+        """The machine's side of the basis (what a price's basis starts with): cost and utilisation."""
+        return f"{format_usd(self.hourly_micro_usd)}/h at {self.utilisation_percent}% utilisation"
+
+    def with_rates(self, decode_tokens_per_s: float, prefill_tokens_per_s: float | None, measured_at: datetime) -> LocalCost:
+        """The same machine, at another engine's rates (a weight variant's own workers)."""
+        return LocalCost(self.hourly_micro_usd, self.utilisation_percent, decode_tokens_per_s,
+                         prefill_tokens_per_s or None, measured_at)
 
     def price(self, provider: Provider, model: str, effective_from: datetime) -> ModelPrice:
         """The ModelPrice row these figures give (not saved)."""

@@ -91,6 +91,43 @@ def do_finish_request(
     return TokenLog.objects.get(request_id=request_id)
 
 
+# The ledger's error and the user's message for a request whose worker died mid-way.
+WORKER_LOST_ERROR = "the worker running it stopped after {tokens} tokens"
+WORKER_LOST_MESSAGE = ("The worker generating this answer stopped unexpectedly after {tokens} tokens "
+                       "(those are counted; the rest is not). Please try again.")
+
+
+def worker_lost_event(request_id: str, tokens: int) -> dict:
+    """The protocol's `error` event (code worker_lost) for such a request."""
+    return {"type": "error", "request_id": request_id, "code": "worker_lost", "message": WORKER_LOST_MESSAGE.format(tokens=tokens)}
+
+
+def do_fail_lost_request(request_id: str, *, tokens: int, text: str = "", prompt_tokens: int | None = None) -> TokenLog | None:
+    """Settle a request whose worker died: failed, with the tokens that worker recorded as streamed
+    (inference/bus/ownership.py), its ownership record dropped and its reservation released.
+
+    None when it was settled already (by its worker, a web process or another sweeping worker): the
+    first one wins, the others change nothing. text: what the waiting web process received, if any.
+    """
+    from .bus.ownership import release_claim
+
+    row = unique_row(TokenLog.objects.filter(request_id=request_id))
+    if row is None:
+        return None  # not a request of this ledger: its record expires by itself
+    settled = None
+    if row.status == TokenLog.Status.RUNNING:
+        settled = do_finish_request(
+            request_id, status=TokenLog.Status.FAILED,
+            prompt_tokens=row.prompt_tokens if prompt_tokens is None else prompt_tokens, completion_ids=[],
+            completion_tokens=tokens, text=text, finish_reason="", ttft_ms=None,
+            error=WORKER_LOST_ERROR.format(tokens=tokens),
+        )
+    release_claim(request_id)
+    if settled is not None:
+        settle_reservation(request_id)
+    return settled
+
+
 def settle_reservation(request_id: str) -> bool:
     """Release a finished request's reservation in the guard; safe to call any number of times."""
     row = unique_row(TokenLog.objects.select_related("provider").filter(request_id=request_id))

@@ -83,7 +83,7 @@ def refusal_status(code: str) -> tuple[int, str]:
         return 400, "invalid_request_error"  # the request itself is too long: waiting never helps
     if code == "feature_disabled":
         return 403, "permission_error"
-    if code == "guard_unavailable":
+    if code in ("guard_unavailable", "variant_unavailable"):  # ours to fix, not the caller's
         return 503, "server_error"
     if code in SPEND_CODES or "_cost_per_" in code:
         return 429, "insufficient_quota"

@@ -16,6 +16,7 @@ from django.conf import settings
 
 from .engine import weights
 from .engine.config import EngineConfig, EngineError, default_device
+from .variants import variant_queue, worker_variants
 
 if TYPE_CHECKING:  # the web tier imports model_dir from here, and must not import torch with it
     from .engine.loop import Engine
@@ -46,12 +47,13 @@ def engine_config_from_settings(folder: Path, quantization: str | None = None) -
     )
 
 
-# A worker hosts one engine per weight variant its features ask for (Feature.quantization): the
-# CEILING_QUANTIZATION variant is loaded when the worker starts, another (int8 for a feature staff
-# switched to it, or full precision in an int8 worker) the first time a request needs it (a few
-# seconds: load + quantize). Each engine has its own KV cache, allocated at its first request, and
-# they share the process's cores. One worker queue and one command line serve every variant, and a
-# switch on the dashboard takes effect at the next request, with nothing to restart.
+# A worker process hosts the engine of one weight variant (inference/variants.py): CEILING_QUANTIZATION,
+# or what CEILING_WORKER_VARIANTS names, loaded when the worker starts. Two engines in one process are
+# two OpenMP teams on the same cores, and an idle bf16 engine beside the fp32 one slowed every fp32
+# answer ~1.6×; so a feature switched to another variant is served by that variant's own worker, on
+# its own queue, and this process refuses a variant it was not started for rather than load it
+# beside its own. (CEILING_WORKER_VARIANTS may name several, each loaded at its first request, where
+# that slowdown is acceptable: one small machine, rare use of the second variant.)
 
 _engines: dict[str, Engine] = {}
 _engine_lock = threading.Lock()  # guards the two dicts, never held while a model loads
@@ -59,12 +61,17 @@ _variant_locks: dict[str, threading.Lock] = {}
 
 
 def _default_variant() -> str:
-    return settings.CEILING_QUANTIZATION
+    """The variant this worker loads at start: the first it serves."""
+    return worker_variants()[0]
 
 
 def get_engine(quantization: str | None = None) -> Engine:
     """The process's engine for a weight variant (default: CEILING_QUANTIZATION), started on first use."""
     variant = quantization or _default_variant()
+    served = worker_variants()
+    if variant not in served:
+        raise EngineError(f"this worker serves {', '.join(served)} weights, not {variant}; "
+                          f"{variant} requests belong on the queue {variant_queue(variant)}")
     with _engine_lock:
         engine = _engines.get(variant)
         if engine is not None:
@@ -106,7 +113,8 @@ def engine_if_started() -> Engine | None:
 
 
 def process_stats() -> dict:
-    """What a worker publishes: its default engine's stats, plus the other variants it loaded since."""
+    """What a worker publishes: its engine's stats (with its variant as `quantization`), plus those of
+    the other variants it loaded since, if CEILING_WORKER_VARIANTS names several."""
     main = engine_if_started()
     if main is None:
         return {}

@@ -265,16 +265,22 @@ class CeilingCollector:
 
     @staticmethod
     def _engine_gauges(workers: list[dict]) -> Iterator[GaugeMetricFamily]:
-        running = GaugeMetricFamily(NAME_PREFIX + "num_requests_running", "Number of requests in the engine's running batch.", labels=["worker"])
-        waiting = GaugeMetricFamily(NAME_PREFIX + "num_requests_waiting", "Number of requests waiting to be processed.", labels=["worker"])
-        kv = GaugeMetricFamily(NAME_PREFIX + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=["worker"])
+        """One sample per worker and weight variant (a worker hosts one; CEILING_WORKER_VARIANTS may name more)."""
+        labels = ["worker", "variant"]
+        running = GaugeMetricFamily(NAME_PREFIX + "num_requests_running", "Number of requests in the engine's running batch.", labels=labels)
+        waiting = GaugeMetricFamily(NAME_PREFIX + "num_requests_waiting", "Number of requests waiting to be processed.", labels=labels)
+        kv = GaugeMetricFamily(NAME_PREFIX + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=labels)
+        peak = GaugeMetricFamily(NAME_PREFIX + "peak_generation_tokens_per_second",
+                                 "The engine's best 10-second decode rate since it started (what prices its tokens).", labels=labels)
         for stats in workers:
-            worker = [stats["worker"]]
-            running.add_metric(worker, stats.get("running", 0))
-            waiting.add_metric(worker, stats.get("waiting", 0))
-            total = stats.get("kv_blocks_total") or 0
-            kv.add_metric(worker, stats.get("kv_blocks_used", 0) / total if total else 0.0)
-        yield from (running, waiting, kv)
+            for engine in [stats, *stats.get("variants", [])]:
+                key = [stats["worker"], engine.get("quantization") or "none"]
+                running.add_metric(key, engine.get("running", 0))
+                waiting.add_metric(key, engine.get("waiting", 0))
+                total = engine.get("kv_blocks_total") or 0
+                kv.add_metric(key, engine.get("kv_blocks_used", 0) / total if total else 0.0)
+                peak.add_metric(key, engine.get("peak_tokens_per_s") or 0.0)
+        yield from (running, waiting, kv, peak)
 
 
 REGISTRY = CollectorRegistry(auto_describe=False)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from functools import partial
 
 from celery import shared_task
-from celery.signals import worker_init, worker_shutdown
+from celery.signals import celeryd_after_setup, worker_init, worker_shutdown
 from django.conf import settings
 
 from budgets.reconcile import reconcile_forever
@@ -14,8 +15,10 @@ from budgets.reconcile import reconcile_forever
 from .bus.cancel import listen_for_cancellations
 from .bus.stats import publish_stats_forever
 from .engines import get_engine, process_stats, shutdown_engine
+from .variants import VARIANTS, mark_served, variant_queue, worker_variants
 from .worker import handles
 from .worker.generation import run_generation
+from .worker.lost import settle_lost_requests_forever
 from .worker.throughput import report_throughput_forever
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,24 @@ def run_batch(job_id: int) -> None:
     run_batch_job(job_id)
 
 
+@celeryd_after_setup.connect
+def consume_the_queues_of_its_variants(sender: str, instance, **_: object) -> None:
+    """A worker always reads its own variants' queues, whatever --queues says, and says so loudly when
+    --queues names another variant's: those chats would be refused here (inference/variants.py)."""
+    if not settings.CEILING_ENGINE_AUTOSTART:
+        return
+    queues = instance.app.amqp.queues
+    served = worker_variants()
+    for variant in served:
+        queues.select_add(variant_queue(variant))
+    consumed = set(queues.consume_from or ())
+    for variant in set(VARIANTS) - set(served):
+        if variant_queue(variant) in consumed:
+            log.error("this worker serves %s weights but reads the queue %s of %s requests, which it will refuse; "
+                      "start it with --queues %s", ", ".join(served), variant_queue(variant), variant,
+                      ",".join(variant_queue(v) for v in served))
+
+
 @worker_init.connect
 def start_engine_with_worker(**_: object) -> None:
     """One engine per worker process, loaded before the worker takes its first task."""
@@ -90,12 +111,18 @@ def start_worker_services() -> None:
     threading.Thread(
         target=publish_stats_forever,
         args=(process_stats, _stop_services),  # every weight variant this worker hosts
+        kwargs={"with_beat": partial(mark_served, variants=worker_variants())},  # its queues are served
         name="stats-publisher",
         daemon=True,
     ).start()
     if settings.CEILING_RECONCILE_EVERY_S > 0:
         threading.Thread(
             target=reconcile_forever, args=(_stop_services, settings.CEILING_RECONCILE_EVERY_S), name="reconciliation", daemon=True
+        ).start()
+    if settings.CEILING_LOST_SWEEP_EVERY_S > 0:
+        threading.Thread(
+            target=settle_lost_requests_forever, args=(_stop_services, settings.CEILING_LOST_SWEEP_EVERY_S),
+            name="lost-request-sweep", daemon=True,
         ).start()
     if settings.CEILING_THROUGHPUT_EVERY_S > 0:
         threading.Thread(

@@ -310,13 +310,19 @@ CEILING_INFERENCE_QUEUE = envstr("CEILING_INFERENCE_QUEUE", "inference")
 CEILING_STREAM_INTERVAL = envint("CEILING_STREAM_INTERVAL", 1, minimum=1)
 # Benchmarks only: generate exactly max_tokens, ignoring end-of-sequence (manage.py bench's stack mode).
 CEILING_IGNORE_EOS = envbool("CEILING_IGNORE_EOS", False)
-# The weight variant a worker loads at start ("none" = full precision, "int8" = int8 linear layers on
-# CPU, "q4" = the GGUF's 4-bit weights for decode steps on CPU, "bf16" = bfloat16 weights and
-# arithmetic, fast on CPUs with AMX or AVX512-BF16); a feature switched to another
-# variant makes the worker load that one too (inference/engine/loop.py, inference/engine/patches/quantization.py).
+# The default weight variant ("none" = full precision, "int8" = int8 linear layers on CPU, "q4" = the
+# GGUF's 4-bit weights for decode steps on CPU, "bf16" = bfloat16 weights and arithmetic, fast on CPUs
+# with AMX or AVX512-BF16): a worker's variant unless CEILING_WORKER_VARIANTS says otherwise, and the one
+# served on CEILING_INFERENCE_QUEUE itself; a feature switched to another variant is served by that
+# variant's workers, on its own queue (inference/variants.py). The same in every process.
 CEILING_QUANTIZATION = envstr("CEILING_QUANTIZATION", "none")
 if CEILING_QUANTIZATION not in ("none", "int8", "q4", "bf16"):
     raise ImproperlyConfigured(f"CEILING_QUANTIZATION={CEILING_QUANTIZATION!r} is not one of none, int8, q4, bf16")
+# The variants a worker process serves (inference/variants.py): empty = CEILING_QUANTIZATION alone. One
+# per process: two engines in one process slow each other (~1.6×); run a worker per variant instead.
+CEILING_WORKER_VARIANTS = envlist("CEILING_WORKER_VARIANTS", [])
+if set(CEILING_WORKER_VARIANTS) - {"none", "int8", "q4", "bf16"}:
+    raise ImproperlyConfigured(f"CEILING_WORKER_VARIANTS={CEILING_WORKER_VARIANTS!r}: each must be one of none, int8, q4, bf16")
 # Start the engine in every Celery worker process that consumes the "inference" queue.
 CEILING_ENGINE_AUTOSTART = envbool("CEILING_ENGINE_AUTOSTART", True)
 
@@ -360,6 +366,9 @@ CEILING_RESERVATION_TTL_S = envint("CEILING_RESERVATION_TTL_S", 600, minimum=60)
 # Each worker sweeps lost requests, unsettled counters and unsent alerts this often; 0 turns the
 # sweep off (tests that drive those paths by hand turn it off in their workers, so a sweep cannot race them).
 CEILING_RECONCILE_EVERY_S = envfloat("CEILING_RECONCILE_EVERY_S", 60.0, minimum=0.0)
+# Each worker settles the requests of dead workers (their heartbeat expired) this often: failed, with the
+# tokens they had streamed, reservations released (inference/worker/lost.py); 0 turns it off.
+CEILING_LOST_SWEEP_EVERY_S = envfloat("CEILING_LOST_SWEEP_EVERY_S", 5.0, minimum=0.0)
 # How often each worker reports its engine's peak throughput, which prices local tokens (0: never).
 CEILING_THROUGHPUT_EVERY_S = envfloat("CEILING_THROUGHPUT_EVERY_S", 30.0, minimum=0.0)
 CEILING_LOOP_MAX_CALLS = envint("CEILING_LOOP_MAX_CALLS", 10, minimum=1)

@@ -67,15 +67,8 @@ def stack_log_dir() -> Path:
     return folder
 
 
-def start_stack(redis_client: redis.Redis, name: str, worker_name: str, queue: str | None = None,
-                **settings_env: str) -> tuple[Stack, list[subprocess.Popen]]:
-    """A daphne and a Celery worker on the test database, started as `make run` starts them.
-
-    With `queue`, the pair has a Celery queue of its own (no other test worker takes its chats), and
-    `settings_env` sets CEILING_* settings for both processes.
-    """
-    log_dir = stack_log_dir()
-    port = stack.free_port()
+def stack_env(queue: str | None = None, **settings_env: str) -> dict[str, str]:
+    """The environment of a test stack's processes (see start_stack)."""
     env = stack.child_env(
         DATABASE_URL=_test_database_url(),
         REDIS_URL=settings.REDIS_URL,
@@ -92,19 +85,44 @@ def start_stack(redis_client: redis.Redis, name: str, worker_name: str, queue: s
         **settings_env,
     )
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+    return env
+
+
+def start_worker(redis_client: redis.Redis, log: Path, worker_name: str, env: dict[str, str],
+                 queues: str | None = None) -> tuple[subprocess.Popen, str]:
+    """One Celery worker as `make run` starts it; returns once its engine publishes (process, its worker id)."""
+    before = set(redis_client.scan_iter(match="ceiling:engine:*"))
+    process = subprocess.Popen(stack.worker_argv(WORKER_CONCURRENCY, worker_name, **({"queues": queues} if queues else {})),
+                               env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    found: set[bytes] = set()
+    try:
+        stack.wait_until(lambda: found.update(set(redis_client.scan_iter(match="ceiling:engine:*")) - before) or found,
+                         timeout=180, what=f"the engine of {worker_name}")
+    except BaseException:
+        stack.stop_all([process])
+        raise
+    return process, sorted(found)[0].decode().removeprefix("ceiling:engine:")
+
+
+def start_stack(redis_client: redis.Redis, name: str, worker_name: str, queue: str | None = None,
+                **settings_env: str) -> tuple[Stack, list[subprocess.Popen]]:
+    """A daphne and a Celery worker on the test database, started as `make run` starts them.
+
+    With `queue`, the pair has a Celery queue of its own (no other test worker takes its chats), and
+    `settings_env` sets CEILING_* settings for both processes.
+    """
+    log_dir = stack_log_dir()
+    port = stack.free_port()
+    env = stack_env(queue, **settings_env)
     # As `make run` does: convert the model before the processes start (a fresh checkout has none),
     # so the waits below time the start and not a one-off conversion.
     model_dir()
     daphne_log, worker_log = log_dir / f"{name}-daphne.log", log_dir / f"{name}-worker.log"
-    workers_before = len(engine_stats(redis_client))
-    processes = [
-        subprocess.Popen(stack.worker_argv(WORKER_CONCURRENCY, worker_name, **({"queues": queue} if queue else {})),
-                         env=env, stdout=worker_log.open("w"), stderr=subprocess.STDOUT),
-        subprocess.Popen(stack.daphne_argv("127.0.0.1", port), env=env, stdout=daphne_log.open("w"), stderr=subprocess.STDOUT),
-    ]
+    daphne = subprocess.Popen(stack.daphne_argv("127.0.0.1", port), env=env, stdout=daphne_log.open("w"), stderr=subprocess.STDOUT)
+    processes = [daphne]
     try:
+        processes.insert(0, start_worker(redis_client, worker_log, worker_name, env, queue)[0])
         stack.wait_until(lambda: stack.port_answers("127.0.0.1", port), timeout=60, what="daphne")
-        stack.wait_until(lambda: len(engine_stats(redis_client)) > workers_before, timeout=180, what="the worker's engine")
     except BaseException:
         stack.stop_all(processes)
         raise

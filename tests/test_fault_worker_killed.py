@@ -4,6 +4,7 @@ streamed, the reservation is released, the task is not run again, and a new work
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -91,3 +92,78 @@ def test_a_worker_killed_mid_stream_fails_the_request_with_the_tokens_streamed(w
     wait_for(lambda: daily_counter_and_ledger(client, alice, chat_feature)[0].reserved.requests == 0, timeout=10)
     state, (used, reserved) = daily_counter_and_ledger(client, alice, chat_feature)
     assert (state.used, state.reserved) == (used, reserved) and used.requests == 2
+
+
+# --- nobody listening: the live workers sweep the dead one's requests -------------------------------
+
+
+@pytest.fixture
+def two_worker_stack(django_db_setup):
+    private_redis = PrivateRedis.start()
+    private = start_private_stack("swept", private_redis)
+    try:
+        private.start_worker()
+        yield private
+    finally:
+        private.stop()
+        private_redis.stop()
+
+
+async def stream_then_kill_its_worker_and_the_web(private, cookie: str, after_tokens: int):
+    """Stream an answer; after a few token frames SIGKILL daphne and the worker that owns the request.
+
+    Returns (frames received, the moment of the kills, the killed worker)."""
+    ws_context = chat_socket(private.live, cookie)
+    ws = await ws_context.__aenter__()
+    await send(ws, chat_frame(LONG_ANSWER, 400))
+    frames = [await next_frame(ws)]
+    while sum(f["type"] == "token" for f in frames) < after_tokens:
+        frames.append(await next_frame(ws))
+        assert frames[-1]["type"] == "token", frames[-1]
+    owner = private.redis.client().hget(f"ceiling:running:{frames[0]['request_id']}", "worker").decode()
+    [worker] = [w for w in private.workers if w.pid == int(owner.split(":")[1])]
+    kill(private.daphne)  # no web process is left to notice anything
+    kill(worker)
+    killed_at = time.monotonic()
+    try:
+        await ws_context.__aexit__(None, None, None)
+    except Exception:  # noqa: BLE001 - the server side is gone
+        pass
+    return frames, killed_at, worker
+
+
+def test_a_dead_workers_request_nobody_waits_for_is_settled_within_30_s_with_its_streamed_tokens(
+    two_worker_stack, alice, chat_feature
+):
+    Quota.objects.create(period="day", max_requests=20)
+    frames, killed_at, killed = asyncio.run(
+        stream_then_kill_its_worker_and_the_web(two_worker_stack, session_cookie(alice), after_tokens=3)
+    )
+    request_id = frames[0]["request_id"]
+
+    def settled():
+        row = TokenLog.objects.get(request_id=request_id)
+        return row if row.status != TokenLog.Status.RUNNING else None
+
+    row = wait_for(settled, timeout=60, every=0.25)
+    seconds = time.monotonic() - killed_at
+    print(f"\nsettled {seconds:.1f} s after the kill, {row.completion_tokens} tokens")
+    # Its heartbeat expires (5 s), the other worker's next sweep (every 5 s) settles it; not 600 s.
+    assert seconds < 30, seconds
+    token_frames = sum(f["type"] == "token" for f in frames)
+    assert row.status == TokenLog.Status.FAILED and "worker" in row.error
+    assert row.completion_tokens >= token_frames >= 3  # what the worker streamed, not 0
+
+    client = two_worker_stack.redis.client()
+    state, (used, reserved) = daily_counter_and_ledger(client, alice, chat_feature)
+    assert reserved.requests == 0 and state.reserved.requests == 0  # the reservation was released
+    assert (state.used, state.reserved) == (used, reserved)
+    assert used.tokens == row.prompt_tokens + row.completion_tokens
+    assert not client.exists(f"ceiling:running:{request_id}")
+
+    # The web process that waited is told too (its inbox holds the frame until it expires).
+    pushed = [raw for key in client.scan_iter(match="ceiling:inbox:*") for raw in client.lrange(key, 0, -1)]
+    lost = [f for raw in pushed for f in json.loads(raw) if f["request_id"] == request_id and f.get("code") == "worker_lost"]
+    assert lost and f"after {row.completion_tokens} tokens" in lost[0]["message"]
+    survivor = 1 - two_worker_stack.workers.index(killed)
+    assert request_id in two_worker_stack.worker_log(survivor) and "is gone" in two_worker_stack.worker_log(survivor)

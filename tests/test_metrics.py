@@ -8,6 +8,7 @@ import logging
 import urllib.error
 import urllib.request
 import uuid
+from dataclasses import replace
 
 import pytest
 from django.test import Client
@@ -194,19 +195,27 @@ def test_metrics_from_several_processes_add_up_in_redis(metrics_token, chat_feat
     assert value(second, "ceiling:prompt_tokens_total", feature="chat") == 20
 
 
-def test_engine_gauges_come_from_each_workers_published_stats(metrics_token, redis_db):
+def test_engine_gauges_come_from_each_workers_published_stats_per_variant(metrics_token, redis_db):
     stats = EngineStats(model="m", device="cpu", running=3, waiting=1, kv_blocks_used=128, kv_blocks_total=512,
-                        tokens_generated=0, tokens_per_s=0.0, requests_finished=0, peak_running=3, restarts=0)
+                        tokens_generated=0, tokens_per_s=0.0, requests_finished=0, peak_running=3, restarts=0,
+                        peak_tokens_per_s=108.7)
+    # A worker started with two variants (CEILING_WORKER_VARIANTS=none,int8) publishes the second beside.
+    second = replace(stats, running=1, waiting=0, kv_blocks_used=0, quantization="int8", peak_tokens_per_s=75.2)
     key = f"{STATS_KEY_PREFIX}metrics-test-host:4242"
-    redis_db.set(key, json.dumps(stats.as_dict()), ex=STATS_TTL_S)
+    redis_db.set(key, json.dumps(stats.as_dict() | {"variants": [second.as_dict()]}), ex=STATS_TTL_S)
     try:
         families = scrape()
     finally:
         redis_db.delete(key)
 
-    assert value(families, "ceiling:num_requests_running", worker="metrics-test-host:4242") == 3
-    assert value(families, "ceiling:num_requests_waiting", worker="metrics-test-host:4242") == 1
-    assert value(families, "ceiling:kv_cache_usage_perc", worker="metrics-test-host:4242") == 0.25
+    fp32 = {"worker": "metrics-test-host:4242", "variant": "none"}
+    assert value(families, "ceiling:num_requests_running", **fp32) == 3
+    assert value(families, "ceiling:num_requests_waiting", **fp32) == 1
+    assert value(families, "ceiling:kv_cache_usage_perc", **fp32) == 0.25
+    assert value(families, "ceiling:peak_generation_tokens_per_second", **fp32) == 108.7
+    int8 = fp32 | {"variant": "int8"}
+    assert value(families, "ceiling:num_requests_running", **int8) == 1
+    assert value(families, "ceiling:peak_generation_tokens_per_second", **int8) == 75.2
 
 
 def test_recording_never_raises_when_redis_is_unreachable(metrics_token, settings, chat_feature, caplog):

@@ -3,7 +3,6 @@ switch a feature to them only after the latest evaluation passed."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 from dataclasses import replace
 
@@ -13,14 +12,12 @@ from django.core.management import call_command
 from django.test import Client
 
 from budgets.models import AuditEntry, Feature
-from inference.actions import do_record_evaluation, do_switch_quantization, switch_refusal
+from inference.actions import do_record_evaluation, switch_refusal
 from inference.engine import Engine
 from inference.engine.evaluate import compare, is_correct, load_prompts, score
 from inference.engine.patches.quantization import BF16, INT8, NONE, Q4, mode_of, weights_memory_bytes
 from inference.engines import engine_config_from_settings, model_dir
 from inference.models import QuantizationEvaluation, QuantizationPolicy
-from tests.conftest import engine_stats, session_cookie, wait_for
-from tests.wsclient import chat, chat_frame
 
 
 def _engine(quantization: str) -> Engine:
@@ -177,22 +174,8 @@ def test_after_a_passing_evaluation_staff_switch_and_the_change_is_audited(staff
     assert chat_feature.quantization == NONE  # going back never needs an evaluation
 
 
-# --- through the whole stack ---------------------------------------------------------------------------
-
-
-def test_a_feature_switched_to_int8_is_answered_by_the_workers_int8_engine(live_stack, redis_db, alice, staff, chat_feature):
-    _evaluation(chat_feature, baseline_correct=50, candidate_correct=50, tokens_per_s=(40.0, 60.0))
-    do_switch_quantization(staff, chat_feature, INT8)
-    frames = asyncio.run(chat(live_stack, session_cookie(alice), chat_frame("What is the capital of France?", 12)))
-    assert frames[-1]["type"] == "done", frames[-1]
-    assert frames[-1]["usage"]["completion_tokens"] >= 1
-
-    def int8_engine_served_it():
-        variants = [v for worker in engine_stats(redis_db) for v in [worker, *worker.get("variants", [])]]
-        return [v for v in variants if v["quantization"] == INT8 and v["requests_finished"] >= 1]
-
-    served = wait_for(int8_engine_served_it, timeout=10)
-    assert served[0]["weights_bytes"] < 300 * 2**20
+# --- through the whole stack: tests/test_variant_workers.py (a feature switched to int8 is answered by
+# the int8 worker, on the int8 queue) ------------------------------------------------------------------
 
 
 # --- helpers -----------------------------------------------------------------------------------------

@@ -245,3 +245,72 @@ def test_the_local_providers_monthly_limit_refuses_local_tokens(alice, chat_feat
     finish(chat(alice, chat_feature, prompt=1_000, max_tokens=300), 300)  # 239 of 300 µ$
     refused = chat(alice, chat_feature, prompt=2_000, max_tokens=300)  # the prompt alone costs 120 µ$
     assert not refused.admitted and refused.code == "provider_spend" and "'local'" in refused.message
+
+
+# --- each weight variant priced by its own throughput ----------------------------------------------
+
+INT8_MODEL = f"{MODEL}@int8"
+
+
+def test_a_feature_on_int8_is_logged_as_the_int8_model_and_priced_as_full_precision_until_it_has_its_own(
+    alice, chat_feature, priced_local
+):
+    from inference.web.tokenizer import model_name
+
+    chat_feature.quantization = "int8"
+    chat_feature.save()
+    assert model_name(chat_feature) == INT8_MODEL
+    row = finish(admit(AdmissionRequest(uuid.uuid4().hex, alice, chat_feature, model_name(chat_feature), 1_000, 300)), 300)
+    assert row.model == INT8_MODEL and row.price == priced_local  # no price of its own yet: never free
+
+
+def test_an_int8_worker_prices_int8_tokens_from_its_own_rates_and_leaves_full_precision_alone(local, priced_local):
+    from budgets.actions import do_record_variant_throughput
+
+    Provider.objects.filter(pk=local.pk).update(hourly_cost_micro_usd=3_600_000)
+    [price] = do_record_variant_throughput(4_800.0, 30_000.0, model=INT8_MODEL)
+    assert price.model == INT8_MODEL and price.source == ModelPrice.Source.MEASURED
+    assert price.output_per_million_micro_usd == per_million_micro_usd(3_600_000, 70, 4_800) < priced_local.output_per_million_micro_usd
+    assert price.input_per_million_micro_usd == per_million_micro_usd(3_600_000, 70, 30_000)
+    local.refresh_from_db()
+    assert local.decode_tokens_per_s == 2_400.0  # the provider's rates are full precision's
+    assert ModelPrice.objects.filter(model=MODEL).get() == priced_local
+    # Slower, or under 5% faster: nothing new; 5% faster: a new price.
+    assert do_record_variant_throughput(2_000.0, 30_000.0, model=INT8_MODEL) == []
+    assert do_record_variant_throughput(4_900.0, 30_000.0, model=INT8_MODEL) == []
+    [faster] = do_record_variant_throughput(5_100.0, 30_000.0, model=INT8_MODEL)
+    assert faster.output_per_million_micro_usd == per_million_micro_usd(3_600_000, 70, 5_100)
+
+
+def test_a_new_hourly_cost_re_prices_a_variant_at_its_next_report(local, priced_local):
+    from budgets.actions import do_record_variant_throughput
+
+    Provider.objects.filter(pk=local.pk).update(hourly_cost_micro_usd=3_600_000)
+    do_record_variant_throughput(4_800.0, 30_000.0, model=INT8_MODEL)
+    Provider.objects.filter(pk=local.pk).update(hourly_cost_micro_usd=7_200_000)
+    [dearer] = do_record_variant_throughput(4_800.0, 30_000.0, model=INT8_MODEL)
+    assert dearer.output_per_million_micro_usd == per_million_micro_usd(7_200_000, 70, 4_800)
+
+
+def test_a_variant_price_staff_set_stands_against_measurements(local, alice, chat_feature, priced_local):
+    from budgets.actions import do_record_variant_throughput
+
+    Provider.objects.filter(pk=local.pk).update(hourly_cost_micro_usd=3_600_000)
+    explicit = ModelPrice.objects.create(provider=local, model=INT8_MODEL, input_per_million_micro_usd=1,
+                                         output_per_million_micro_usd=2, effective_from=timezone.now() - timedelta(seconds=1))
+    assert do_record_variant_throughput(9_000.0, 90_000.0, model=INT8_MODEL) == []
+    chat_feature.quantization = "int8"
+    chat_feature.save()
+    row = finish(chat(alice, chat_feature, prompt=1_000, max_tokens=300), 300)
+    assert row.price == priced_local  # chat() logs the bare model: full precision's price
+    row = finish(admit(AdmissionRequest(uuid.uuid4().hex, alice, chat_feature, INT8_MODEL, 1_000, 300)), 300)
+    assert row.price == explicit and row.cost_micro_usd == explicit.cost_micro_usd(1_000, 300)
+
+
+def test_staff_price_a_variant_by_its_name_without_marking_it_new(staff_client, local):
+    url = reverse("staff-provider", args=[local.pk])
+    data = {"form": "price", "model": INT8_MODEL, "input_usd": "0.01", "output_usd": "0.02", "cached_input_usd": "",
+            "effective_from": ""}
+    assert staff_client.post(url, data).status_code == 302
+    price = ModelPrice.objects.get(model=INT8_MODEL)
+    assert (price.source, price.output_per_million_micro_usd) == (ModelPrice.Source.STAFF, 20_000)

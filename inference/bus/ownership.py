@@ -1,13 +1,16 @@
 """Which worker runs a request, and how far it got.
 
-A worker records itself as the owner when it starts a request and the tokens streamed as they go
-(outbox.py writes the progress before each frame), so a web process that hears nothing can tell a
-dead worker (its heartbeat expired) from a slow one, and the ledger counts what the user saw.
+A worker records itself as the owner when it starts a request, with the inbox of the web process
+waiting for it, and the tokens streamed as they go (outbox.py writes the progress before each frame),
+so a web process that hears nothing can tell a dead worker (its heartbeat expired) from a slow one,
+and the ledger counts what the user saw. Every live worker also sweeps these records
+(inference/worker/lost.py), so a dead worker's requests are settled even when no web process waits.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import redis
 
@@ -19,14 +22,18 @@ log = logging.getLogger(__name__)
 RUNNING_KEY = "ceiling:running:{}"
 
 
-def claim_request(request_id: str, ttl_s: int) -> None:
-    """Record this worker as the request's owner (only a worker with a heartbeat can be checked)."""
+def claim_request(request_id: str, ttl_s: int, inbox: str = "") -> None:
+    """Record this worker as the request's owner (only a worker with a heartbeat can be checked).
+
+    inbox: the stream inbox of the web process waiting for the request ("" when none waits), so a
+    sweeping worker can tell that process when this one dies.
+    """
     if not heartbeat.is_set():
         return
     key = RUNNING_KEY.format(request_id)
     try:
         with redis_client().pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={"worker": worker_id(), "tokens": 0})
+            pipe.hset(key, mapping={"worker": worker_id(), "tokens": 0, "inbox": inbox})
             pipe.expire(key, ttl_s)
             pipe.execute()
     except redis.RedisError as exc:  # the stream goes on; only dead-worker detection is lost
@@ -60,3 +67,35 @@ def lost_request_progress(request_id: str) -> int | None:
     return int(claim.get(b"tokens", 0))
 
 
+
+
+@dataclass(frozen=True)
+class LostClaim:
+    """A request whose owner's heartbeat is gone: the tokens it had streamed, and who waits for it."""
+
+    request_id: str
+    worker: str
+    tokens: int
+    inbox: str
+
+
+def lost_claims(scan_count: int = 500) -> list[LostClaim]:
+    """Every recorded request whose owning worker is dead (its heartbeat expired); two round trips
+    per scanned batch, whatever the number of claims."""
+    client = redis_client()
+    prefix = RUNNING_KEY.format("")
+    keys = list(client.scan_iter(match=prefix + "*", count=scan_count))
+    if not keys:
+        return []
+    with client.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.hgetall(key)
+        claims = pipe.execute()
+    owned = [(key.decode()[len(prefix):], claim) for key, claim in zip(keys, claims, strict=True) if claim.get(b"worker")]
+    workers = sorted({claim[b"worker"].decode() for _, claim in owned})
+    alive = dict(zip(workers, (is_worker_alive(w) for w in workers), strict=True))
+    return [
+        LostClaim(request_id, claim[b"worker"].decode(), int(claim.get(b"tokens", 0)), claim.get(b"inbox", b"").decode())
+        for request_id, claim in owned
+        if not alive[claim[b"worker"].decode()]
+    ]

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import threading
+import uuid
 from collections.abc import Callable
 
 import redis
@@ -26,8 +27,13 @@ STATS_TTL_S = 5
 heartbeat = threading.Event()
 
 
+# host:pid alone may come back: a restarted container often has the same hostname and pid, and its
+# heartbeat would make the dead process's requests look alive. A token per process start tells them apart.
+_START_TOKEN = uuid.uuid4().hex[:6]
+
+
 def worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    return f"{socket.gethostname()}:{os.getpid()}:{_START_TOKEN}"
 
 
 def is_worker_alive(worker: str) -> bool:
@@ -38,13 +44,19 @@ def worker_stats_key() -> str:
     return f"{STATS_KEY_PREFIX}{worker_id()}"
 
 
-def publish_stats_forever(read_stats: Callable[[], dict], stop: threading.Event, every_s: float = 0.5) -> None:
-    """Also this worker's heartbeat: the key expires STATS_TTL_S after the process stops."""
+def publish_stats_forever(read_stats: Callable[[], dict], stop: threading.Event, every_s: float = 0.5,
+                          with_beat: Callable[[redis.Redis, str], None] | None = None) -> None:
+    """Also this worker's heartbeat: the key expires STATS_TTL_S after the process stops.
+
+    with_beat(client, worker id), if given, runs after each beat (the worker marks its queues served).
+    """
     key = worker_stats_key()
     while True:
         try:
             redis_client().set(key, json.dumps(read_stats()), ex=STATS_TTL_S)
             heartbeat.set()
+            if with_beat is not None:
+                with_beat(redis_client(), worker_id())
         except redis.RedisError as exc:
             log.warning("could not publish engine stats: %s", exc)
         except Exception:  # noqa: BLE001 - stats must never take the worker down

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,11 +40,18 @@ from django.db import DatabaseError
 from budgets.actions import do_log_cache_hit, do_log_refusal
 from budgets.guard import Decision, Fallback, LoopLimits
 from budgets.models import Feature, Provider, RetrievalFacts, TokenLog, unique_row
-from inference import retrieval
-from inference.actions import do_admit_request, do_finish_request, settle_reservation
+from inference import retrieval, variants
+from inference.actions import (
+    WORKER_LOST_ERROR,
+    do_admit_request,
+    do_fail_lost_request,
+    do_finish_request,
+    settle_reservation,
+    worker_lost_event,
+)
 from inference.bus.cancel import arequest_cancel
 from inference.bus.inbox import stream_inbox
-from inference.bus.ownership import lost_request_progress, release_claim
+from inference.bus.ownership import lost_request_progress
 from inference.models import Transcript
 from inference.web import caches, modes
 from inference.web.frames import ChatFrame
@@ -168,7 +176,8 @@ async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, fra
             yield {"type": "refused", "code": decision.code, "message": decision.message, "retry_after_s": decision.retry_after_s}
             return
         # Dispatch before announcing it: from here on, stopping early only needs a cancel.
-        await dispatch_generation(request_id, inbox.key)
+        # To the queue of the weight variant that serves it: the fallback's, when the guard chose it.
+        await dispatch_generation(request_id, inbox.key, variants.variant_of(decision.fell_back_to or feature))
         for event in admitted_events(decision, len(prompt_ids)):
             yield with_sources(event, retrieved)
         # The fallback's answer is not the one this feature's cache should hand out later.
@@ -209,8 +218,9 @@ def admitted_events(decision: Decision, prompt_tokens: int) -> list[dict]:
 def fallback_for(feature: Feature, frame: ChatFrame, prompt_tokens: int) -> Fallback | None:
     """The feature's fallback, when it could serve this request at all; whether it fits is the guard's call.
 
-    A switched-off fallback, one whose input limit the prompt passes, or one on the local engine for a
-    request with tools is no fallback for it. Its own fallback is not followed (one hop, no loops).
+    A switched-off fallback, one whose input limit the prompt passes, one on the local engine for a
+    request with tools, or one on weights no worker serves is no fallback for it. Its own fallback is
+    not followed (one hop, no loops).
     """
     fallback = feature.fallback
     if fallback is None or not fallback.enabled:
@@ -219,6 +229,8 @@ def fallback_for(feature: Feature, frame: ChatFrame, prompt_tokens: int) -> Fall
         return None
     if frame.params.tools and not is_remote(fallback):
         return None
+    if not variants.is_served(variants.variant_of(fallback)):
+        return None  # its weights have no worker: it would wait in a queue nobody reads
     return Fallback(fallback, model_name(fallback), min(frame.max_tokens, fallback.max_output_tokens))
 
 
@@ -230,6 +242,12 @@ async def _check_before_guard(
         message = f"The feature {feature.name!r} is switched off by the operators."
         await log_refusal(request_id, user, feature, "feature_disabled", message, 0, frame.max_tokens, facts)
         return [], {"type": "refused", "code": "feature_disabled", "message": message, "retry_after_s": None}
+    variant = variants.variant_of(feature)
+    if variant != variants.default_variant() and not await sync_to_async(variants.is_served, thread_sensitive=False)(variant):
+        # Queued, it would wait for the first-token timeout in a queue nobody reads.
+        message = variants.unavailable_message(feature.name, variant)
+        await log_refusal(request_id, user, feature, "variant_unavailable", message, 0, frame.max_tokens)
+        return [], {"type": "refused", "code": "variant_unavailable", "message": message, "retry_after_s": None}
     limit = min(feature.max_input_tokens, settings.CEILING_MAX_INPUT_TOKENS)
     prompt_ids: list[int] = []
     refusal = input_too_long_by_size(frame.messages, limit)
@@ -346,6 +364,9 @@ def recover_from_ledger(request_id: str, streamed_text: str, next_seq: int) -> l
     if row is None or row.status == TokenLog.Status.RUNNING:
         return []
     if row.status == TokenLog.Status.FAILED:
+        lost = re.fullmatch(WORKER_LOST_ERROR.format(tokens=r"(\d+)"), row.error)
+        if lost:  # settled by a worker that swept its dead owner, whose frame did not reach us
+            return [worker_lost_event(request_id, int(lost[1]))]
         return [{"type": "error", "request_id": request_id, "code": "engine_failed",
                  "message": f"The model could not finish this answer: {row.error or 'unknown error'}."}]
     events = []
@@ -374,18 +395,9 @@ def fail_if_worker_lost(request_id: str, prompt_tokens: int, streamed_text: str)
     if tokens is None:
         return []
     close_old_connections()
-    error = f"the worker running it stopped after {tokens} tokens"
-    settled = do_finish_request(
-        request_id, status=TokenLog.Status.FAILED, prompt_tokens=prompt_tokens, completion_ids=[],
-        completion_tokens=tokens, text=streamed_text, finish_reason="", ttft_ms=None, error=error,
-    )
-    release_claim(request_id)
-    if settled is None:
-        return []  # settled meanwhile: the next ledger check ends it
-    settle_reservation(request_id)
-    message = (f"The worker generating this answer stopped unexpectedly after {tokens} tokens "
-               "(those are counted; the rest is not). Please try again.")
-    return [{"type": "error", "request_id": request_id, "code": "worker_lost", "message": message}]
+    if do_fail_lost_request(request_id, tokens=tokens, text=streamed_text, prompt_tokens=prompt_tokens) is None:
+        return []  # settled meanwhile (by its worker or a sweeping one): the next ledger check ends it
+    return [worker_lost_event(request_id, tokens)]
 
 
 def _timeout_event(first_token_seen: bool) -> dict:
@@ -505,11 +517,12 @@ def remember_answer(feature, key: caches.CacheKey, request_id: str) -> None:
 
 
 @sync_to_async(thread_sensitive=False)
-def dispatch_generation(request_id: str, reply_to: str) -> None:
+def dispatch_generation(request_id: str, reply_to: str, variant: str | None = None) -> None:
     from inference.tasks import generate
 
+    queue = variants.variant_queue(variant or variants.default_variant())
     try:
-        generate.apply_async(args=[request_id, reply_to], queue=settings.CEILING_INFERENCE_QUEUE, retry=False)
+        generate.apply_async(args=[request_id, reply_to], queue=queue, retry=False)
     except Exception as exc:
         # Never leave an admitted request holding its reservation because the broker was away.
         fail_undispatched(request_id, str(exc))

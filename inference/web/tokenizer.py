@@ -8,6 +8,7 @@ from functools import lru_cache
 
 from inference.engine import encode_chat
 from inference.engines import model_dir
+from inference.variants import variant_model_name
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,10 @@ def model_name(feature=None) -> str:
     from django.conf import settings
 
     provider = getattr(feature, "provider", None) if feature is not None else None
-    if provider is not None and provider.kind == "openai-compatible" and provider.remote_model:
-        return provider.remote_model
-    return settings.CEILING_MODEL_NAME
+    if provider is not None and provider.kind == "openai-compatible":
+        return provider.remote_model or settings.CEILING_MODEL_NAME
+    return variant_model_name(feature.quantization if feature is not None else "none")
+
 
 
 @lru_cache(maxsize=1)

@@ -23,6 +23,7 @@ from budgets.actions import do_log_refusal
 from budgets.models import Feature, TokenLog
 from inference.actions import do_admit_request
 from inference.models import BatchItem, BatchJob, Transcript
+from inference.variants import variant_of, variant_queue
 from inference.web.tokenizer import chat_prompt_ids, input_too_long_by_count, model_name
 from inference.worker.generation import run_generation
 
@@ -39,7 +40,8 @@ def do_start_batch(*, feature: Feature, user: AbstractBaseUser, max_tokens: int,
     with transaction.atomic():
         job = BatchJob.objects.create(feature=feature, user=user, max_tokens=max_tokens, total=len(prompts))
         BatchItem.objects.bulk_create(BatchItem(job=job, index=i, prompt=p) for i, p in enumerate(prompts))
-        transaction.on_commit(partial(run_batch.delay, job.pk))
+        # On the queue of the feature's weight variant, whose worker serves it (inference/variants.py).
+        transaction.on_commit(partial(run_batch.apply_async, args=[job.pk], queue=variant_queue(variant_of(feature))))
     return job
 
 

@@ -82,7 +82,7 @@ def _generate(request_id: str, reply_to: str) -> None:
         _finish(log_row, reply_to, Outcome(FINISH_CANCELLED), None)
         return
     # From here on, a web process that hears nothing can check whether this worker is still alive.
-    claim_request(request_id, settings.CEILING_RESERVATION_TTL_S)
+    claim_request(request_id, settings.CEILING_RESERVATION_TTL_S, inbox=reply_to)
     # Everything below reads the row and its select_related parts only; _finish checks a connection out again.
     release_database_connection()
     stream = TokenStream(log_row, reply_to)

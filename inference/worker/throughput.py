@@ -10,26 +10,29 @@ from __future__ import annotations
 import logging
 import threading
 
-from django.conf import settings
 from django.db import close_old_connections
 
-from budgets.actions import do_record_throughput
+from budgets.actions import do_record_throughput, do_record_variant_throughput
 
 from ..engine import Engine
 from ..engines import engine_if_started
+from ..variants import variant_model_name
 
 log = logging.getLogger(__name__)
 
 
 def report_throughput(engine: Engine | None = None) -> int:
-    """Record the peak rates of this worker's engine now; returns how many local prices changed."""
+    """Record the peak rates of this worker's engine now; returns how many local prices changed.
+
+    A worker hosts one weight variant: full precision prices the provider's own model (and keeps its
+    rates on the provider); another variant prices its own model, "<model>@<variant>".
+    """
     engine = engine or engine_if_started()
     if engine is None:
         return 0
     stats = engine.stats()
-    prices = do_record_throughput(
-        stats.peak_tokens_per_s, stats.peak_prefill_tokens_per_s, model=settings.CEILING_MODEL_NAME
-    )
+    record = do_record_throughput if stats.quantization in ("", "none") else do_record_variant_throughput
+    prices = record(stats.peak_tokens_per_s, stats.peak_prefill_tokens_per_s, model=variant_model_name(stats.quantization))
     for price in prices:
         log.info("local tokens re-priced from measured throughput: %s (%s)", price, price.basis)
     return len(prices)

@@ -8,19 +8,29 @@ import time
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError
 
+from inference.variants import VARIANTS, default_variant, variants_in_use, worker_queues
 from project import stack
 
 
 class Command(BaseCommand):
-    help = "Start Redis (if needed), daphne and one Celery inference worker; Ctrl-C stops them all."
+    help = "Start Redis (if needed), daphne and one Celery inference worker per weight variant in use; Ctrl-C stops them all."
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)
         parser.add_argument("--concurrency", type=int, default=32, help="chats one worker streams at once")
+        parser.add_argument(
+            "--variants", default="",
+            help="the weight variants to start a worker for, comma-separated (none, int8, q4, bf16); default: "
+                 "CEILING_QUANTIZATION and every variant an enabled feature is switched to, one worker each",
+        )
 
-    def handle(self, *args, host: str, port: int, concurrency: int, **options) -> None:
+    def handle(self, *args, host: str, port: int, concurrency: int, variants: str, **options) -> None:
+        only = [v.strip() for v in variants.split(",") if v.strip()]
+        if set(only) - set(VARIANTS):
+            raise CommandError(f"--variants: each must be one of {', '.join(VARIANTS)}")
         if concurrency < 1:
             raise CommandError("--concurrency must be at least 1")
         if stack.port_answers(host, port):
@@ -30,8 +40,13 @@ class Command(BaseCommand):
             redis_url = self.ensure_redis(processes)
             self.prepare_model()
             env = stack.child_env(REDIS_URL=redis_url)
-            self.stdout.write("Starting the Celery inference worker (loads the model)…")
-            processes.append(subprocess.Popen(stack.worker_argv(concurrency), env=env))
+            for variant in self.variants(only):
+                # One worker per weight variant: two engines in one process slow each other ~1.6×.
+                self.stdout.write(f"Starting the Celery inference worker for {variant} weights (loads the model)…")
+                processes.append(subprocess.Popen(
+                    stack.worker_argv(concurrency, f"inference-{variant}@%h", queues=worker_queues([variant])),
+                    env=env | {"CEILING_WORKER_VARIANTS": variant},
+                ))
             self.stdout.write(f"Starting daphne on {host}:{port}…")
             processes.append(subprocess.Popen(stack.daphne_argv(host, port), env=env))
             stack.wait_until(lambda: stack.port_answers(host, port), timeout=60, what="daphne")
@@ -40,6 +55,14 @@ class Command(BaseCommand):
         finally:
             self.stdout.write("Stopping…")
             stack.stop_all(processes)
+
+    def variants(self, only: list[str]) -> list[str]:
+        if only:
+            return list(dict.fromkeys(only))
+        try:
+            return variants_in_use()
+        except DatabaseError:  # not migrated yet: the default variant alone
+            return [default_variant()]
 
     def ensure_redis(self, processes: list[subprocess.Popen]) -> str:
         if stack.redis_answers(settings.REDIS_URL):

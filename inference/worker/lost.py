@@ -1,0 +1,57 @@
+"""The requests of dead workers, settled by the live ones within seconds.
+
+A worker records itself as the owner of each request it runs, with the tokens it has streamed and
+the inbox of the web process waiting for it (inference/bus/ownership.py), and its stats key is its
+heartbeat (TTL 5 s). Every live worker looks through those records every CEILING_LOST_SWEEP_EVERY_S:
+a request whose owner's heartbeat is gone is settled failed with the tokens that owner had
+streamed (not 0), its reservation is released, and the web process that waits for it, if any, gets
+its `worker_lost` frame. That web process would notice by itself after 5 s of silence; the sweep is
+what settles a request nobody waits for (a batch item, a refinement call, a web process that died
+too), which otherwise stayed running, its reservation held, for CEILING_RESERVATION_TTL_S (600 s).
+
+Several workers sweeping at once is safe: the ledger row is settled once (do_fail_lost_request),
+and only the one that settled it tells the waiting process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+from django.db import close_old_connections
+
+from inference.actions import do_fail_lost_request, worker_lost_event
+from inference.bus.outbox import channel_sender
+from inference.bus.ownership import lost_claims
+
+log = logging.getLogger(__name__)
+
+def settle_requests_of_dead_workers() -> int:
+    """Settle every request whose owning worker is dead; returns how many this call settled."""
+    settled = 0
+    for claim in lost_claims():
+        row = do_fail_lost_request(claim.request_id, tokens=claim.tokens)
+        if row is None:
+            continue
+        settled += 1
+        log.warning("request %s: its worker %s is gone; settled failed after %d tokens", claim.request_id,
+                    claim.worker, claim.tokens)
+        if claim.inbox:
+            frame = worker_lost_event(claim.request_id, claim.tokens) | {"type": "chat.failed"}
+            channel_sender().send_frame(claim.inbox, claim.request_id, frame, wait=True)
+    return settled
+
+
+def settle_lost_requests_forever(stop: threading.Event, every_s: float) -> None:
+    """In each worker: once at start (a restarted worker settles what its predecessor left), then every every_s."""
+    while True:
+        try:
+            close_old_connections()
+            settle_requests_of_dead_workers()
+        except redis.RedisError as exc:
+            log.warning("could not look for the requests of dead workers: %s", exc)
+        except Exception:  # noqa: BLE001 - the sweep must never take the worker down
+            log.exception("settling the requests of dead workers failed")
+        if stop.wait(every_s):
+            return
