@@ -43,6 +43,7 @@ from inference.actions import do_admit_request, do_finish_request, settle_reserv
 from inference.bus.cancel import arequest_cancel
 from inference.bus.inbox import stream_inbox
 from inference.bus.ownership import lost_request_progress, release_claim
+from inference.bus.trace import mark
 from inference.models import Transcript
 from inference.web import caches, modes
 from inference.web.frames import ChatFrame
@@ -397,7 +398,7 @@ def get_feature(name: str) -> Feature | None:
 # otherwise queue one behind another for their ~12 ledger queries each.
 @partial(database_sync_to_async, thread_sensitive=False)
 def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, max_tokens, loop) -> Decision:
-    return do_admit_request(
+    decision = do_admit_request(
         request_id=request_id,
         user=user,
         feature=feature,
@@ -410,6 +411,9 @@ def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, max_t
         end_user=frame.params.end_user,
         fallback=fallback_for(feature, frame, len(prompt_ids)),
     )
+    if decision.admitted:
+        mark(request_id, "admitted")
+    return decision
 
 
 @database_sync_to_async
@@ -466,6 +470,7 @@ def dispatch_generation(request_id: str, reply_to: str) -> None:
         # Never leave an admitted request holding its reservation because the broker was away.
         fail_undispatched(request_id, str(exc))
         raise
+    mark(request_id, "dispatched")
 
 
 def fail_undispatched(request_id: str, error: str) -> None:

@@ -39,6 +39,7 @@ import redis
 
 from budgets.models import Provider
 from inference.bus.cancel import is_cancel_requested
+from inference.bus.trace import mark
 from inference.engine import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,9 @@ class RemoteStream:
         timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=read_timeout_s, write=10.0, pool=CONNECT_TIMEOUT_S)
         try:
             with httpx.Client(timeout=timeout) as client:
+                mark(self.request_id, "sent")
                 with client.stream("POST", self.url, json=self.body, headers=self.headers) as response:
+                    mark(self.request_id, "connected")
                     if response.status_code >= 400:
                         response.read()
                         self._put(_failed(http_error_message(self.label, response.status_code, response.text)))
@@ -211,6 +214,8 @@ class RemoteStream:
                 text = delta.get("content") or ""
                 logprobs = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
                 if text or logprobs:
+                    if not self.chunks:
+                        mark(self.request_id, "first_byte")
                     self.chunks += 1
                     self.outputs.put(RemoteEvent(text, logprobs=logprobs or None))
                 if isinstance(delta.get("tool_calls"), list):
