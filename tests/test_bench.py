@@ -288,11 +288,13 @@ def test_the_remote_mode_sends_one_burst_directly_and_through_the_stack(transact
 
     split = json.loads(page.with_suffix(".details.json").read_text())["extras"]["remote"]
     assert split["traced_requests"] == 3
-    for part in ("admission", "dispatch", "queue", "pickup", "connect", "first_byte", "to_frame", "relay"):
+    for part in ("to_guard", "guard", "dispatch", "queue", "pickup", "connect", "first_byte", "to_frame", "relay"):
         assert 0 <= split[f"ttft_{part}_p50_ms"] <= split[f"ttft_{part}_max_ms"], part
     assert 290 <= split["ttft_first_byte_p50_ms"] < through["ttft_p50_ms"]  # the stub's own 300 ms
+    assert split["daphne_cpu_ms_per_request"] > 0 and split["worker_cpu_ms_per_request"] > 0
     text = printed.getvalue()
     assert "remote through the stack ÷ directly: TTFT p50" in text and "remote first byte" in text
+    assert "remote through the stack, CPU per request: daphne" in text
     assert "remote TTFT p50 through the stack within 20% of direct" in text
 
     # One warm-up and the burst each way; Ceiling forwarded each request as the workload asked for it.

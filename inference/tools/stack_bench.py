@@ -30,6 +30,7 @@ from inference.engine.bench.measure import (
     ModeResult,
     RequestTiming,
     percentile,
+    process_cpu_s,
     process_peak_rss_mb,
     summarise,
     timing_rows,
@@ -88,16 +89,22 @@ def run_remote(peer_url: str, requests: list[BenchRequest], *, threads: int, eng
         if warm_up.error or warm_up.first_token is None:
             raise BenchError(f"the stack's warm-up request to the peer failed: {warm_up.error or 'no answer'}")
         wall_minus_perf = time.time() - time.perf_counter()
+        cpu_before = [process_cpu_s(p.pid) for p in processes]
         timings = replay(url, model, requests, headers=headers, extra_body=body)
+        cpu_used = [process_cpu_s(p.pid) - before for p, before in zip(processes, cpu_before, strict=True)]
         peak_rss = sum(process_peak_rss_mb(p.pid) for p in processes)
-    through = ModeResult(summarise(timings, peak_rss), extra=remote_ttft_parts(timings, wall_minus_perf),
+    # CPU per request of the whole burst (admission to the last token), independent of how busy the machine is.
+    worker_cpu, daphne_cpu = (round(used * 1000 / len(requests), 1) for used in cpu_used)
+    extra = {"worker_cpu_ms_per_request": worker_cpu, "daphne_cpu_ms_per_request": daphne_cpu}
+    through = ModeResult(summarise(timings, peak_rss), extra=extra | remote_ttft_parts(timings, wall_minus_perf),
                          timings=timing_rows(timings))
     return direct, through
 
 
 # The remote path's stages, in order (inference/bus/trace.py); "sent" is the request's own send.
 REMOTE_PARTS = (
-    ("admission", "sent_by_client", "admitted"),  # HTTP, API key, parsing, tokenizing, the guard
+    ("to_guard", "sent_by_client", "guard"),  # HTTP, the API key, parsing, the feature, tokenizing
+    ("guard", "guard", "admitted"),  # the guard: the ledger row, the Lua check, the transcript
     ("dispatch", "admitted", "dispatched"),  # the Celery task onto the broker
     ("queue", "dispatched", "picked"),  # the broker, and a free worker thread
     ("pickup", "picked", "sent"),  # the worker reads the row and opens the remote request
@@ -110,9 +117,13 @@ REMOTE_PARTS = (
 
 def remote_ttft_parts(timings: list[RequestTiming], wall_minus_perf: float) -> dict:
     """Where the remote path's TTFT goes: each stage's p50 and max (ms), from each request's trace."""
+    from budgets.models import TokenLog
     from inference.bus.trace import read_traces
 
     traced = read_traces([t.request_id for t in timings if t.request_id and t.first_token is not None])
+    # The guard's start is the ledger row's own time.
+    for request_id, created_at in TokenLog.objects.filter(request_id__in=list(traced)).values_list("request_id", "created_at"):
+        traced[request_id]["guard"] = created_at.timestamp()
     parts: dict[str, list[float]] = {name: [] for name, _, _ in REMOTE_PARTS}
     for timing in timings:
         stages = traced.get(timing.request_id)
@@ -122,7 +133,7 @@ def remote_ttft_parts(timings: list[RequestTiming], wall_minus_perf: float) -> d
         for name, begin, end in REMOTE_PARTS:
             if begin in stages and end in stages:
                 parts[name].append((stages[end] - stages[begin]) * 1000)
-    figures = {"traced_requests": len(traced)}
+    figures = {"traced_requests": sum("picked" in stages for stages in traced.values())}
     for name, values in parts.items():
         if values:
             figures[f"ttft_{name}_p50_ms"] = round(percentile(values, 50), 1)

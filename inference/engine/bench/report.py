@@ -10,7 +10,7 @@ from inference.engine.bench.measure import MODE_KEYS
 
 MODE_ORDER = ("sequential", "static", "engine", "stack", "peer", "remote_direct", "remote")
 # The remote mode's split of its TTFT (inference/tools/stack_bench.py REMOTE_PARTS), as printed.
-REMOTE_PARTS = (("admission", "admission"), ("dispatch", "dispatch"), ("queue", "Celery queue"), ("pickup", "worker pickup"),
+REMOTE_PARTS = (("to_guard", "→ guard"), ("guard", "guard"), ("dispatch", "dispatch"), ("queue", "Celery queue"), ("pickup", "worker pickup"),
                 ("connect", "remote connect"), ("first_byte", "remote first byte"), ("to_frame", "→ frame"),
                 ("relay", "relay to the client"))
 
@@ -121,11 +121,13 @@ def table(result: dict, extras: dict[str, dict]) -> str:
             f"{label} {remote[key]:g}×" for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"),
                                                           ("output_tokens_per_s", "output tokens/s"), ("e2e_p50_ms", "e2e p50"))
             if remote[key] is not None))
-    if "ttft_admission_p50_ms" in extras.get("remote", {}):
+    if "ttft_guard_p50_ms" in extras.get("remote", {}):
         split = extras["remote"]
         lines.append("remote TTFT through the stack, p50 (max) ms: " + ", ".join(
             f"{label} {split[f'ttft_{key}_p50_ms']:g} ({split[f'ttft_{key}_max_ms']:g})"
             for key, label in REMOTE_PARTS if f"ttft_{key}_p50_ms" in split))
+        lines.append(f"remote through the stack, CPU per request: daphne {split['daphne_cpu_ms_per_request']:g} ms, "
+                     f"worker {split['worker_cpu_ms_per_request']:g} ms")
     if result["prefix"]:
         p = result["prefix"]
         lines.append(f"prefix caching: TTFT p50 {p['ttft_p50_ms_on']:g} ms on, {p['ttft_p50_ms_off']:g} ms off")
