@@ -39,5 +39,7 @@ def do_revoke_api_key(key: ApiKey) -> bool:
 def do_touch_api_key(key: ApiKey) -> None:
     """Record that a key was used; at most once a minute per key, so busy keys are not a hot row."""
     now = timezone.now()
+    if key.last_used_at is not None and key.last_used_at >= now - LAST_USED_RESOLUTION:
+        return  # recorded within the minute, as the row read to authenticate says: no UPDATE
     stale = Q(last_used_at__isnull=True) | Q(last_used_at__lt=now - LAST_USED_RESOLUTION)
     ApiKey.objects.filter(stale, pk=key.pk).update(last_used_at=now)

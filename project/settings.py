@@ -310,6 +310,9 @@ CEILING_INFERENCE_QUEUE = envstr("CEILING_INFERENCE_QUEUE", "inference")
 CEILING_STREAM_INTERVAL = envint("CEILING_STREAM_INTERVAL", 1, minimum=1)
 # Benchmarks only: generate exactly max_tokens, ignoring end-of-sequence (manage.py bench's stack mode).
 CEILING_IGNORE_EOS = envbool("CEILING_IGNORE_EOS", False)
+# Benchmarks only: record when each request reaches each stage of its time to first token
+# (inference/bus/trace.py), for the TTFT split of manage.py bench's remote mode.
+CEILING_TTFT_TRACE = envbool("CEILING_TTFT_TRACE", False)
 # The default weight variant ("none" = full precision, "int8" = int8 linear layers on CPU, "q4" = the
 # GGUF's 4-bit weights for decode steps on CPU, "bf16" = bfloat16 weights and arithmetic, fast on CPUs
 # with AMX or AVX512-BF16): a worker's variant unless CEILING_WORKER_VARIANTS says otherwise, and the one

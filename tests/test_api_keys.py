@@ -134,3 +134,27 @@ def test_create_api_key_refuses_nonsense(alice, args, message):
     with pytest.raises(CommandError, match=message):
         create_api_key(*args)
     assert not ApiKey.objects.exists()
+
+
+def test_a_key_used_again_within_the_minute_costs_no_write(alice):
+    from datetime import timedelta
+
+    from django.test.utils import CaptureQueriesContext
+    from django.utils import timezone
+
+    from accounts.actions import do_touch_api_key
+
+    key, plaintext = do_create_api_key(alice, "notebook")
+    do_touch_api_key(ApiKey.objects.for_plaintext(plaintext))
+    first_use = ApiKey.objects.get(pk=key.pk).last_used_at
+    assert first_use is not None
+
+    # Each request authenticates afresh; the row it read says the use is recorded already.
+    with CaptureQueriesContext(connection) as queries:
+        do_touch_api_key(ApiKey.objects.for_plaintext(plaintext))
+    assert len(queries) == 1 and queries[0]["sql"].startswith("SELECT")
+    assert ApiKey.objects.get(pk=key.pk).last_used_at == first_use
+
+    ApiKey.objects.filter(pk=key.pk).update(last_used_at=timezone.now() - timedelta(minutes=2))
+    do_touch_api_key(ApiKey.objects.for_plaintext(plaintext))
+    assert ApiKey.objects.get(pk=key.pk).last_used_at > first_use

@@ -9,9 +9,6 @@ from __future__ import annotations
 import io
 import json
 import statistics
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -19,6 +16,7 @@ from django.core.management import CommandError, call_command
 
 from inference.engine.bench.measure import MODE_KEYS, BenchError, RequestTiming, percentile, summarise
 from inference.engine.bench.peer import run_peer
+from inference.engine.bench.stub_peer import StubPeer
 from inference.engine.bench.workload import WorkloadSpec, mixed_workload
 from inference.engine.patches.attention import length_buckets, step_plan, varlen_attention
 
@@ -204,6 +202,7 @@ def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transa
         (["--stream-interval", "0"], "at least 1 token"),
         (["--repeat", "0"], "--repeat must be at least 1"),
         (["--modes", "engine,peer"], "the peer mode needs --peer URL"),
+        (["--modes", "remote"], "the remote mode needs --peer URL"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(arguments, message, tmp_path):
@@ -240,64 +239,70 @@ def test_the_stack_modes_feature_is_served_by_the_variant_under_test(transaction
     assert Feature.objects.get(name=BENCH_FEATURE).quantization == "none"
 
 
-class _PeerHandler(BaseHTTPRequestHandler):
-    """An OpenAI-compatible server as llama.cpp's llama-server answers: /v1/models and streamed chat.
-
-    It streams one chunk per token, max_tokens of them (it honours ignore_eos by never stopping
-    early), and a final usage chunk; it records every body it received so the test can check what
-    the bench asked for.
-    """
-
-    bodies: list[dict] = []
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        self._send(200, b'{"object": "list", "data": [{"id": "smollm2-peer"}]}', "application/json")
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).bodies.append(body)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for index in range(body["max_tokens"]):
-            chunk = {"choices": [{"index": 0, "delta": {"content": f"t{index} "}}]}
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            self.wfile.flush()
-            time.sleep(0.002)
-        usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
-        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
-
-    def _send(self, status: int, payload: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-
 @pytest.fixture
-def peer_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _PeerHandler)
-    _PeerHandler.bodies = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
+def stub_peer():
+    """A real OpenAI-compatible server streaming one chunk per token, max_tokens of them (it honours
+    ignore_eos by never stopping early), and a final usage chunk; it records every request."""
+    server = StubPeer(first_byte_s=0.0, token_s=0.002).start()
+    yield server
     server.shutdown()
+    server.server_close()
 
 
-def test_the_peer_mode_replays_the_workload_against_an_openai_server(peer_server):
+def test_the_peer_mode_replays_the_workload_against_an_openai_server(stub_peer):
     requests = mixed_workload(WorkloadSpec(requests=6, seed=3, max_output_tokens=12))
-    result = run_peer(peer_server, requests)
+    result = run_peer(stub_peer.url, requests)
     assert result.summary["requests"] == 6
     assert result.summary["output_tokens"] == sum(r.output_tokens for r in requests)
-    assert result.extra["peer_model"] == "smollm2-peer" and result.extra["tpot_ms_at_1"] > 0
-    replayed = _PeerHandler.bodies[1:7]  # after the warm-up, before the lone request
+    assert result.extra["peer_model"] == "stub-peer" and result.extra["tpot_ms_at_1"] > 0
+    bodies = [received.body for received in stub_peer.received]
+    replayed = bodies[1:7]  # after the warm-up, before the lone request
     assert sorted(b["max_tokens"] for b in replayed) == sorted(r.output_tokens for r in requests)
     assert all(b["temperature"] == 0 and b["ignore_eos"] is True and b["stream"] is True for b in replayed)
-    assert _PeerHandler.bodies[-1]["max_tokens"] == 64
+    assert bodies[-1]["max_tokens"] == 64
+
+
+def test_the_remote_mode_sends_one_burst_directly_and_through_the_stack(transactional_db, redis_db, tmp_path):
+    """The same requests straight to a stub peer and through Ceiling's /v1 to it, in one run, with the
+    stack's TTFT split by stage; the stub's fixed first-byte delay shows up where it belongs."""
+    out, page = tmp_path / "bench.json", tmp_path / "report.html"
+    printed = io.StringIO()
+    peer = StubPeer(first_byte_s=0.3, token_s=0.005).start()
+    try:
+        call_command("bench", "--modes", "remote", "--peer", peer.url, "--requests", "3", "--max-output-tokens", "6",
+                     "--json", str(out), "--html", str(page), stdout=printed)
+    finally:
+        peer.shutdown()
+        peer.server_close()
+    result = json.loads(out.read_text())
+    assert list(result["modes"]) == ["remote_direct", "remote"]
+    expected_tokens = result["workload"]["output_tokens_total"]
+    for name, figures in result["modes"].items():
+        assert figures["requests"] == 3 and figures["output_tokens"] == expected_tokens, name
+        assert 300 <= figures["ttft_p50_ms"] <= figures["ttft_p99_ms"] <= figures["e2e_p99_ms"], name
+    through, direct = result["modes"]["remote"], result["modes"]["remote_direct"]
+    ratios = result["remote_vs_direct"]
+    assert ratios["ttft_p50_ms"] == pytest.approx(through["ttft_p50_ms"] / direct["ttft_p50_ms"], abs=0.001)
+    assert ratios["ttft_p99_ms"] == pytest.approx(through["ttft_p99_ms"] / direct["ttft_p99_ms"], abs=0.001)
+    assert ratios["output_tokens_per_s"] == pytest.approx(through["output_tokens_per_s"] / direct["output_tokens_per_s"], abs=0.001)
+
+    split = json.loads(page.with_suffix(".details.json").read_text())["extras"]["remote"]
+    assert split["traced_requests"] == 3
+    for part in ("to_guard", "guard", "dispatch", "queue", "pickup", "connect", "first_byte", "to_frame", "relay"):
+        assert 0 <= split[f"ttft_{part}_p50_ms"] <= split[f"ttft_{part}_max_ms"], part
+    assert 290 <= split["ttft_first_byte_p50_ms"] < through["ttft_p50_ms"]  # the stub's own 300 ms
+    assert split["daphne_cpu_ms_per_request"] > 0 and split["worker_cpu_ms_per_request"] > 0
+    text = printed.getvalue()
+    assert "remote through the stack ÷ directly: TTFT p50" in text and "remote first byte" in text
+    assert "remote through the stack, CPU per request: daphne" in text
+    assert "remote TTFT p50 through the stack within 20% of direct" in text
+
+    # One warm-up and the burst each way; Ceiling forwarded each request as the workload asked for it.
+    bodies = [received.body for received in peer.received]
+    assert len(bodies) == 8
+    forwarded = [body for body in bodies if "ignore_eos" not in body]
+    assert len(forwarded) == 4 and all(body["model"] == "stub-peer" and body["stream"] is True for body in forwarded)
+    assert sorted(body["max_tokens"] for body in forwarded[1:]) == sorted(body["max_tokens"] for body in bodies[1:4])
 
 
 def test_a_peer_that_does_not_answer_is_a_sentence():

@@ -356,3 +356,56 @@ def test_tools_go_to_the_remote_and_its_tool_calls_come_back_unchanged(live_stac
     )
     calls = [c.choices[0].delta.tool_calls for c in stream if c.choices and c.choices[0].delta.tool_calls]
     assert [[call.function.arguments for call in group] for group in calls] == [['{"city": "Paris"}']]
+
+
+# --- one pooled client per worker (#20: burst latency through the gateway) ---------------------------
+
+
+@pytest.fixture
+def stub_peer():
+    from inference.engine.bench.stub_peer import StubPeer
+
+    server = StubPeer(first_byte_s=0.0, token_s=0.001).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_worker_reuses_one_pooled_connection_across_remote_requests(live_stack, alice, stub_peer):
+    """A new client per request paid its setup (~60 ms of CPU) and a new connection every time."""
+    remote_feature(f"{stub_peer.url}/v1")
+    cookie = session_cookie(alice)
+
+    for question in ("One?", "Two?", "Three?", "Four?"):
+        frames = asyncio.run(chat(live_stack, cookie, chat_frame(question, 5, feature="remote-chat")))
+        assert frames[-1]["type"] == "done" and frames[-1]["finish_reason"] == "length", frames[-1]
+        assert "".join(f["text"] for f in frames if f["type"] == "token") == "t0 t1 t2 t3 t4 "
+
+    assert [received.body["messages"][-1]["content"] for received in stub_peer.received] == ["One?", "Two?", "Three?", "Four?"]
+    # One after another, every request went over the connection the first one opened.
+    assert len({received.client for received in stub_peer.received}) == 1
+
+
+def test_a_remote_answer_cut_short_closes_its_pooled_connection(live_stack, alice, stub_peer):
+    """Cancelling must still hang up on the remote (it stops generating), pool or not."""
+    stub_peer.token_s = 0.05
+    remote_feature(f"{stub_peer.url}/v1")
+    cookie = session_cookie(alice)
+
+    async def cancel_after_two_tokens():
+        async with chat_socket(live_stack, cookie) as ws:
+            await send(ws, chat_frame("Long?", 200, feature="remote-chat"))
+            accepted = await next_frame(ws)
+            [await next_frame(ws) for _ in range(2)]
+            await send(ws, {"type": "cancel"})
+            return accepted
+
+    accepted = asyncio.run(cancel_after_two_tokens())
+    row = wait_for(lambda: settled(accepted["request_id"]), timeout=10)
+    assert row.status == TokenLog.Status.CANCELLED and row.completion_tokens < 200
+
+    stub_peer.token_s = 0.001
+    frames = asyncio.run(chat(live_stack, cookie, chat_frame("Again?", 3, feature="remote-chat")))
+    assert frames[-1]["type"] == "done"
+    first, second = stub_peer.received
+    assert first.client != second.client  # the cut-short connection was not handed to the next request

@@ -1,6 +1,10 @@
-"""The bench's `stack` mode: the workload through every real process a user's chat goes through.
+"""The bench's `stack` and `remote` modes: the workload through every real process a request goes through.
 
-websocket clients → daphne → session + guard → Celery worker → engine → stream inbox → websocket.
+stack: websocket clients → daphne → session + guard → Celery worker → engine → stream inbox → websocket.
+remote: the same burst sent twice in one run, with one client (inference/engine/bench/peer.py): straight
+to an OpenAI-compatible peer, and through Ceiling's /v1 (API key → guard → Celery worker → the
+remote adapter → the peer → stream inbox → daphne → server-sent events) on a feature whose remote
+provider is that peer; the difference is Ceiling's own overhead, split by stage (inference/bus/trace.py).
 The bench starts its own daphne and worker (the command lines `make run` uses) on the configured
 database and Redis, as a user "bench" without caps on a feature "bench" without answer caches, so the
 guard does all its work but never refuses. The worker runs with CEILING_IGNORE_EOS so every answer
@@ -26,16 +30,20 @@ from inference.engine.bench.measure import (
     ModeResult,
     RequestTiming,
     percentile,
+    process_cpu_s,
     process_peak_rss_mb,
     summarise,
     timing_rows,
 )
 from inference.engine.bench.modes import batch_figures
+from inference.engine.bench.peer import check_peer, replay, stream_one
 from inference.engine.bench.workload import MAX_OUTPUT_TOKENS, BenchRequest
 from project import stack
 
 BENCH_USER = "bench"
 BENCH_FEATURE = "bench"
+REMOTE_FEATURE = "bench-remote"
+REMOTE_PROVIDER = "bench-peer"
 
 
 def run_stack(requests: list[BenchRequest], *, threads: int, engine_env: dict[str, str], log_dir: Path,
@@ -60,6 +68,105 @@ def run_stack(requests: list[BenchRequest], *, threads: int, engine_env: dict[st
         "connect_ms_p50": round(percentile(connect_ms, 50), 1), "connect_ms_p99": round(percentile(connect_ms, 99), 1),
     } | ttft_parts(timings, wall_minus_perf)
     return ModeResult(summarise(timings, peak_rss), extra=extra, timings=timing_rows(timings))
+
+
+def run_remote(peer_url: str, requests: list[BenchRequest], *, threads: int, engine_env: dict[str, str], log_dir: Path,
+               progress=print) -> tuple[ModeResult, ModeResult]:
+    """(direct, through the stack): the same burst straight to the peer, then through Ceiling to it."""
+    model = check_peer(peer_url)
+    stream_one(peer_url, model, requests[0], RequestTiming(-1, time.perf_counter()), max_tokens=2)  # warm-up
+    timings = replay(peer_url, model, requests)
+    direct = ModeResult(summarise(timings, peak_rss_mb=0.0), extra={"peer_url": peer_url, "peer_model": model},
+                        timings=timing_rows(timings))
+
+    api_key = prepare_remote_bench(peer_url, model, engine_env.get("CEILING_QUANTIZATION", settings.CEILING_QUANTIZATION))
+    headers = {"Authorization": f"Bearer {api_key}"}
+    body = {"feature": REMOTE_FEATURE}
+    with bench_stack(len(requests), threads, {**engine_env, "CEILING_TTFT_TRACE": "1"}, log_dir, progress) as (port, processes, _):
+        url = f"http://127.0.0.1:{port}"
+        warm_up = RequestTiming(-1, time.perf_counter())
+        stream_one(url, model, requests[0], warm_up, max_tokens=2, headers=headers, extra_body=body)
+        if warm_up.error or warm_up.first_token is None:
+            raise BenchError(f"the stack's warm-up request to the peer failed: {warm_up.error or 'no answer'}")
+        wall_minus_perf = time.time() - time.perf_counter()
+        cpu_before = [process_cpu_s(p.pid) for p in processes]
+        timings = replay(url, model, requests, headers=headers, extra_body=body)
+        cpu_used = [process_cpu_s(p.pid) - before for p, before in zip(processes, cpu_before, strict=True)]
+        peak_rss = sum(process_peak_rss_mb(p.pid) for p in processes)
+    # CPU per request of the whole burst (admission to the last token), independent of how busy the machine is.
+    worker_cpu, daphne_cpu = (round(used * 1000 / len(requests), 1) for used in cpu_used)
+    extra = {"worker_cpu_ms_per_request": worker_cpu, "daphne_cpu_ms_per_request": daphne_cpu}
+    through = ModeResult(summarise(timings, peak_rss), extra=extra | remote_ttft_parts(timings, wall_minus_perf),
+                         timings=timing_rows(timings))
+    return direct, through
+
+
+# The remote path's stages, in order (inference/bus/trace.py); "sent" is the request's own send.
+REMOTE_PARTS = (
+    ("to_guard", "sent_by_client", "guard"),  # HTTP, the API key, parsing, the feature, tokenizing
+    ("guard", "guard", "admitted"),  # the guard: the ledger row, the Lua check, the transcript
+    ("dispatch", "admitted", "dispatched"),  # the Celery task onto the broker
+    ("queue", "dispatched", "picked"),  # the broker, and a free worker thread
+    ("pickup", "picked", "sent"),  # the worker reads the row and opens the remote request
+    ("connect", "sent", "connected"),  # the remote's status line and headers
+    ("first_byte", "connected", "first_byte"),  # the remote's own time to its first piece
+    ("to_frame", "first_byte", "first_frame"),  # the piece becomes a token frame in the worker
+    ("relay", "first_frame", "first_token"),  # outbox → Redis → inbox → daphne → the client
+)
+
+
+def remote_ttft_parts(timings: list[RequestTiming], wall_minus_perf: float) -> dict:
+    """Where the remote path's TTFT goes: each stage's p50 and max (ms), from each request's trace."""
+    from budgets.models import TokenLog
+    from inference.bus.trace import read_traces
+
+    traced = read_traces([t.request_id for t in timings if t.request_id and t.first_token is not None])
+    # The guard's start is the ledger row's own time.
+    for request_id, created_at in TokenLog.objects.filter(request_id__in=list(traced)).values_list("request_id", "created_at"):
+        traced[request_id]["guard"] = created_at.timestamp()
+    parts: dict[str, list[float]] = {name: [] for name, _, _ in REMOTE_PARTS}
+    for timing in timings:
+        stages = traced.get(timing.request_id)
+        if not stages:
+            continue
+        stages = {**stages, "sent_by_client": timing.arrival + wall_minus_perf, "first_token": timing.first_token + wall_minus_perf}
+        for name, begin, end in REMOTE_PARTS:
+            if begin in stages and end in stages:
+                parts[name].append((stages[end] - stages[begin]) * 1000)
+    figures = {"traced_requests": sum("picked" in stages for stages in traced.values())}
+    for name, values in parts.items():
+        if values:
+            figures[f"ttft_{name}_p50_ms"] = round(percentile(values, 50), 1)
+            figures[f"ttft_{name}_max_ms"] = round(max(values), 1)
+    return figures
+
+
+def prepare_remote_bench(peer_url: str, model: str, quantization: str) -> str:
+    """The bench user, its remote feature served by the peer, and a new API key (returned) to call /v1 with."""
+    from django.contrib.auth import get_user_model
+
+    from accounts.actions import do_create_api_key
+    from budgets.models import Feature, Provider
+
+    prepare_bench_user(quantization)
+    provider, _ = Provider.objects.update_or_create(
+        name=REMOTE_PROVIDER,
+        defaults={"kind": Provider.Kind.OPENAI_COMPATIBLE, "base_url": f"{peer_url.rstrip('/')}/v1", "remote_model": model,
+                  "api_key_env": "", "monthly_limit_micro_usd": None},
+    )
+    Feature.objects.update_or_create(
+        name=REMOTE_FEATURE,
+        defaults={
+            "description": "manage.py bench --modes remote (the peer behind Ceiling)",
+            "enabled": True,
+            "mode": Feature.Mode.CHAT,
+            "provider": provider,
+            "max_input_tokens": 4096,
+            "max_output_tokens": MAX_OUTPUT_TOKENS,
+            "cache_ttl_s": 0,
+        },
+    )
+    return do_create_api_key(get_user_model().objects.get(username=BENCH_USER), "manage.py bench")[1]
 
 
 def ttft_parts(timings: list[RequestTiming], wall_minus_perf: float) -> dict:

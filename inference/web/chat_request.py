@@ -52,6 +52,7 @@ from inference.actions import (
 from inference.bus.cancel import arequest_cancel
 from inference.bus.inbox import stream_inbox
 from inference.bus.ownership import lost_request_progress
+from inference.bus.trace import mark
 from inference.models import Transcript
 from inference.web import caches, modes
 from inference.web.frames import ChatFrame
@@ -421,7 +422,7 @@ def get_feature(name: str) -> Feature | None:
 # otherwise queue one behind another for their ~12 ledger queries each.
 @partial(database_sync_to_async, thread_sensitive=False)
 def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, max_tokens, loop, facts=None) -> Decision:
-    return do_admit_request(
+    decision = do_admit_request(
         request_id=request_id,
         user=user,
         feature=feature,
@@ -435,6 +436,9 @@ def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, max_t
         fallback=fallback_for(feature, frame, len(prompt_ids)),
         retrieved=facts,
     )
+    if decision.admitted:
+        mark(request_id, "admitted")
+    return decision
 
 
 @database_sync_to_async
@@ -527,6 +531,7 @@ def dispatch_generation(request_id: str, reply_to: str, variant: str | None = No
         # Never leave an admitted request holding its reservation because the broker was away.
         fail_undispatched(request_id, str(exc))
         raise
+    mark(request_id, "dispatched")
 
 
 def fail_undispatched(request_id: str, error: str) -> None:

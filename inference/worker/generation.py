@@ -21,6 +21,7 @@ from inference.actions import do_finish_request, settle_reservation
 from inference.bus.cancel import is_cancel_requested
 from inference.bus.outbox import channel_sender
 from inference.bus.ownership import claim_request, release_claim
+from inference.bus.trace import mark
 from inference.engine import FINISH_CANCELLED, FINISH_ERROR
 from inference.worker.handles import GenerationError, Outcome, open_generation, running
 
@@ -72,6 +73,7 @@ def run_generation(request_id: str, reply_to: str = "") -> None:
 
 
 def _generate(request_id: str, reply_to: str) -> None:
+    mark(request_id, "picked")
     log_row = unique_row(TokenLog.objects.select_related("transcript", "provider", "feature").filter(request_id=request_id))
     if log_row is None:
         log.warning("generate: unknown request %s", request_id)
@@ -147,6 +149,8 @@ class TokenStream:
         token = {"type": "chat.token", "request_id": request_id, "text": text, "seq": self.seq}
         if logprobs:
             token["logprobs"] = logprobs  # only API requests that asked for them
+        if self.seq == 0:
+            mark(request_id, "first_frame")
         self.sender.send_frame(self.reply_to, request_id, token, tokens_streamed=self.tokens_so_far)
         self.seq += 1
 

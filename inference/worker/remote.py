@@ -11,7 +11,10 @@ both alike:
 
 - One reader thread per request does the HTTP (POST {base_url}/chat/completions, stream=true,
   `stream_options.include_usage`) and parses the server-sent events into a queue; the worker's
-  thread reads that queue. So a cancel or a timeout ends the request at once, whatever the socket
+  thread reads that queue. Every request of a worker process goes through one pooled client
+  (shared_client), so a request reuses a kept-alive connection and the client's setup is paid
+  once: a new client per request cost ~60 ms of CPU each (its TLS context), under the GIL, and a
+  24-request burst queued ~0.5 s behind it (docs/benchmarks.md, "Through the gateway to a remote"). So a cancel or a timeout ends the request at once, whatever the socket
   is doing; the reader notices at its next line and closes the connection, which tells the remote
   to stop generating (a remote Ceiling logs its side cancelled).
 - Cancellation arrives two ways: the worker's cancel listener calls cancel(request_id) for every
@@ -33,12 +36,14 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 
 import httpx2 as httpx
 import redis
 
 from budgets.models import Provider
 from inference.bus.cancel import is_cancel_requested
+from inference.bus.trace import mark
 from inference.engine import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 
 log = logging.getLogger(__name__)
@@ -51,6 +56,10 @@ PASSED_THROUGH = (
 REMOTE_FINISH = {"length": FINISH_LENGTH, "tool_calls": "tool_calls"}  # anything else ended it as a stop
 
 CONNECT_TIMEOUT_S = 5.0
+# Connections the shared client keeps open between requests (per worker process): a burst's worth,
+# so the next burst finds them open. No cap on connections in use: the worker's thread count caps them.
+KEEPALIVE_CONNECTIONS = 64
+DRAIN_LINES = 8  # lines read after [DONE] for the body's end before the connection is given up
 CANCEL_POLL_S = 0.25  # how often events() looks at the cancel key in Redis while it waits
 ERROR_DETAIL_CHARS = 200
 
@@ -159,13 +168,18 @@ class RemoteStream:
     def _read(self, read_timeout_s: float) -> None:
         timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=read_timeout_s, write=10.0, pool=CONNECT_TIMEOUT_S)
         try:
-            with httpx.Client(timeout=timeout) as client:
-                with client.stream("POST", self.url, json=self.body, headers=self.headers) as response:
-                    if response.status_code >= 400:
-                        response.read()
-                        self._put(_failed(http_error_message(self.label, response.status_code, response.text)))
-                        return
-                    self._put(self._parse(response.iter_lines()))
+            mark(self.request_id, "sent")
+            with shared_client().stream("POST", self.url, json=self.body, headers=self.headers, timeout=timeout) as response:
+                mark(self.request_id, "connected")
+                if response.status_code >= 400:
+                    response.read()
+                    self._put(_failed(http_error_message(self.label, response.status_code, response.text)))
+                    return
+                lines = response.iter_lines()
+                end = self._parse(lines)
+                if end is not None and end.finish_reason != FINISH_ERROR:
+                    self._drain(lines)
+                self._put(end)
         except httpx.ConnectTimeout:
             self._put(_failed(f"{self.label} did not accept a connection within {CONNECT_TIMEOUT_S:.0f} s"))
         except httpx.ConnectError as exc:
@@ -179,6 +193,16 @@ class RemoteStream:
             self._put(_failed(f"the answer from {self.label} could not be read ({type(exc).__name__})"))
         finally:
             self.outputs.put(_READER_DONE)
+
+    def _drain(self, lines: Iterator[str]) -> None:
+        """Read what follows [DONE] (the body's end, at once from a well-behaved server), so the
+        connection goes back to the pool; one that goes on sending is closed instead."""
+        try:
+            for count, _ in enumerate(lines):
+                if count >= DRAIN_LINES or self.stop.is_set():
+                    return
+        except httpx.HTTPError:
+            pass  # the answer is whole; only this connection is not reused
 
     def _put(self, event: RemoteEvent | None) -> None:
         if event is not None and not self.stop.is_set():
@@ -211,6 +235,8 @@ class RemoteStream:
                 text = delta.get("content") or ""
                 logprobs = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
                 if text or logprobs:
+                    if not self.chunks:
+                        mark(self.request_id, "first_byte")
                     self.chunks += 1
                     self.outputs.put(RemoteEvent(text, logprobs=logprobs or None))
                 if isinstance(delta.get("tool_calls"), list):
@@ -249,6 +275,18 @@ class RemoteStream:
 
 
 # --- opening a stream ----------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def shared_client() -> httpx.Client:
+    """The worker process's one HTTP client for every remote server (thread-safe, pooled).
+
+    A stream that ends early (a cancel, a timeout) closes its connection rather than return it half
+    read, so the remote still hears the hang-up and stops generating.
+    """
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS)
+    return httpx.Client(limits=limits, timeout=httpx.Timeout(CONNECT_TIMEOUT_S))
+
 
 
 def open_stream(request_id: str, provider: Provider, model: str, messages: list[dict], max_tokens: int,

@@ -132,6 +132,19 @@ def process_peak_rss_mb(pid: int) -> float:
     return 0.0
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) another live process has used so far, 0 if it is gone.
+
+    A process's CPU per request does not depend on how busy the machine is, where its latency does.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 # --- the machine -----------------------------------------------------------------------------
 
 

@@ -20,10 +20,11 @@ from inference.engine.bench.measure import BenchError, ModeResult, RequestTiming
 from inference.engine.bench.workload import BenchRequest
 
 
-def check_peer(url: str, timeout: float = 5.0) -> str:
+def check_peer(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> str:
     """The peer's first model id; a sentence (BenchError) if it does not answer like an OpenAI server."""
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/v1/models", timeout=timeout) as response:
+        models_request = urllib.request.Request(f"{url.rstrip('/')}/v1/models", headers=headers or {})
+        with urllib.request.urlopen(models_request, timeout=timeout) as response:
             models = json.load(response).get("data") or []
     except (OSError, ValueError) as exc:
         raise BenchError(f"the peer at {url} does not answer GET /v1/models like an OpenAI-compatible server: {exc}") from None
@@ -32,7 +33,22 @@ def check_peer(url: str, timeout: float = 5.0) -> str:
 
 def run_peer(url: str, requests: list[BenchRequest], lone_tokens: int = 64) -> ModeResult:
     model = check_peer(url)
-    _stream_one(url, model, requests[0], RequestTiming(-1, time.perf_counter()), max_tokens=2)  # warm-up
+    stream_one(url, model, requests[0], RequestTiming(-1, time.perf_counter()), max_tokens=2)  # warm-up
+    timings = replay(url, model, requests)
+    summary = summarise(timings, peak_rss_mb=0.0)  # the peer's memory is its own process's: not measured
+    lone = RequestTiming(-2, time.perf_counter())
+    stream_one(url, model, requests[0], lone, max_tokens=lone_tokens)
+    extra = {"peer_url": url, "peer_model": model, "tpot_ms_at_1": _rounded(lone.tpot_ms)}
+    return ModeResult(summary, extra=extra, timings=timing_rows(timings))
+
+
+def replay(url: str, model: str, requests: list[BenchRequest], *, headers: dict[str, str] | None = None,
+           extra_body: dict | None = None) -> list[RequestTiming]:
+    """Every request at its arrival time, each on its own thread; their timings once all have ended.
+
+    `headers` and `extra_body` go with every request: the bench's remote mode sends the same burst
+    through Ceiling's /v1 with an API key and the feature that forwards to the peer.
+    """
     start = time.perf_counter()
     timings = [RequestTiming(r.index, arrival=start + r.arrival_s) for r in requests]
     threads = []
@@ -40,23 +56,21 @@ def run_peer(url: str, requests: list[BenchRequest], lone_tokens: int = 64) -> M
         delay = timing.arrival - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        thread = threading.Thread(target=_stream_one, args=(url, model, request, timing), daemon=True)
+        thread = threading.Thread(target=stream_one, args=(url, model, request, timing),
+                                  kwargs={"headers": headers, "extra_body": extra_body}, daemon=True)
         thread.start()
         threads.append(thread)
     for thread in threads:
         thread.join(timeout=900)
-    summary = summarise(timings, peak_rss_mb=0.0)  # the peer's memory is its own process's: not measured
-    lone = RequestTiming(-2, time.perf_counter())
-    _stream_one(url, model, requests[0], lone, max_tokens=lone_tokens)
-    extra = {"peer_url": url, "peer_model": model, "tpot_ms_at_1": _rounded(lone.tpot_ms)}
-    return ModeResult(summary, extra=extra, timings=timing_rows(timings))
+    return timings
 
 
 def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
-def _stream_one(url: str, model: str, request: BenchRequest, timing: RequestTiming, max_tokens: int | None = None) -> None:
+def stream_one(url: str, model: str, request: BenchRequest, timing: RequestTiming, max_tokens: int | None = None, *,
+                headers: dict[str, str] | None = None, extra_body: dict | None = None) -> None:
     body = {
         "model": model,
         "messages": request.messages,
@@ -65,15 +79,17 @@ def _stream_one(url: str, model: str, request: BenchRequest, timing: RequestTimi
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra_body or {}),
     }
     http_request = urllib.request.Request(
         f"{url.rstrip('/')}/v1/chat/completions", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"}, method="POST",
+        headers={"Content-Type": "application/json", **(headers or {})}, method="POST",
     )
     chunks = 0
     usage_tokens = None
     try:
         with urllib.request.urlopen(http_request, timeout=600) as response:
+            timing.request_id = response.headers.get("X-Request-Id")  # Ceiling's, to find its ledger row
             for raw in response:
                 line = raw.decode().strip()
                 if not line.startswith("data:") or line == "data: [DONE]":

@@ -8,12 +8,16 @@ from pathlib import Path
 
 from inference.engine.bench.measure import MODE_KEYS
 
-MODE_ORDER = ("sequential", "static", "engine", "stack", "peer")
+MODE_ORDER = ("sequential", "static", "engine", "stack", "peer", "remote_direct", "remote")
+# The remote mode's split of its TTFT (inference/tools/stack_bench.py REMOTE_PARTS), as printed.
+REMOTE_PARTS = (("to_guard", "→ guard"), ("guard", "guard"), ("dispatch", "dispatch"), ("queue", "Celery queue"), ("pickup", "worker pickup"),
+                ("connect", "remote connect"), ("first_byte", "remote first byte"), ("to_frame", "→ frame"),
+                ("relay", "relay to the client"))
 
 
 def result_json(workload: dict, machine: dict, modes: dict[str, dict], prefix: dict | None, roofline: float) -> dict:
     """Exactly the agreed shape: {"workload", "machine", "modes": {name: M}, "prefix", "roofline_tokens_per_s"}."""
-    return {
+    result = {
         "workload": workload,
         "machine": machine,
         "modes": {name: {key: modes[name]["summary"][key] for key in MODE_KEYS} for name in MODE_ORDER if name in modes},
@@ -24,6 +28,15 @@ def result_json(workload: dict, machine: dict, modes: dict[str, dict], prefix: d
                          if run.get("extra", {}).get("tpot_ms_at_1") is not None},
         "bandwidth_roofline_tpot_ms_at_1": modes.get("engine", {}).get("extra", {}).get("bandwidth_roofline_tpot_ms_at_1"),
     }
+    if "remote" in modes and "remote_direct" in modes:
+        result["remote_vs_direct"] = remote_ratios(result["modes"]["remote"], result["modes"]["remote_direct"])
+    return result
+
+
+def remote_ratios(through: dict, direct: dict) -> dict:
+    """The same burst through the stack ÷ straight to the peer (above 1: the stack is slower, or faster for tokens/s)."""
+    return {key: round(through[key] / direct[key], 3) if direct[key] else None
+            for key in ("ttft_p50_ms", "ttft_p99_ms", "output_tokens_per_s", "e2e_p50_ms")}
 
 
 def targets(result: dict) -> list[tuple[str, float, bool]]:
@@ -62,6 +75,10 @@ def targets(result: dict) -> list[tuple[str, float, bool]]:
         rows.append(("stack ≥ 1.5× the peer's tokens/s", peer_speed, peer_speed >= 1.5))
         rows.append(("stack TTFT p50 ≤ the peer's (stack ÷ peer)", modes["stack"]["ttft_p50_ms"] / modes["peer"]["ttft_p50_ms"],
                      modes["stack"]["ttft_p50_ms"] <= modes["peer"]["ttft_p50_ms"]))
+    remote = result.get("remote_vs_direct")
+    if remote and remote["ttft_p50_ms"] is not None:
+        rows.append(("remote TTFT p50 through the stack within 20% of direct (stack ÷ direct)", remote["ttft_p50_ms"],
+                     remote["ttft_p50_ms"] <= 1.2))
     if "engine" in modes and result["roofline_tokens_per_s"]:
         share = modes["engine"]["output_tokens_per_s"] / result["roofline_tokens_per_s"]
         rows.append(("engine ≥ 25% of the roofline", share, share >= 0.25))
@@ -98,6 +115,19 @@ def table(result: dict, extras: dict[str, dict]) -> str:
                      f"guard → first token in the worker {stack['ttft_guard_to_first_token_p50_ms']:g} "
                      f"({stack['ttft_guard_to_first_token_max_ms']:g}), → client {stack['ttft_to_client_p50_ms']:g} "
                      f"({stack['ttft_to_client_max_ms']:g})")
+    remote = result.get("remote_vs_direct")
+    if remote:
+        lines.append("remote through the stack ÷ directly: " + ", ".join(
+            f"{label} {remote[key]:g}×" for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"),
+                                                          ("output_tokens_per_s", "output tokens/s"), ("e2e_p50_ms", "e2e p50"))
+            if remote[key] is not None))
+    if "ttft_guard_p50_ms" in extras.get("remote", {}):
+        split = extras["remote"]
+        lines.append("remote TTFT through the stack, p50 (max) ms: " + ", ".join(
+            f"{label} {split[f'ttft_{key}_p50_ms']:g} ({split[f'ttft_{key}_max_ms']:g})"
+            for key, label in REMOTE_PARTS if f"ttft_{key}_p50_ms" in split))
+        lines.append(f"remote through the stack, CPU per request: daphne {split['daphne_cpu_ms_per_request']:g} ms, "
+                     f"worker {split['worker_cpu_ms_per_request']:g} ms")
     if result["prefix"]:
         p = result["prefix"]
         lines.append(f"prefix caching: TTFT p50 {p['ttft_p50_ms_on']:g} ms on, {p['ttft_p50_ms_off']:g} ms off")

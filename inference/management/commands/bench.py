@@ -1,4 +1,8 @@
-"""`manage.py bench`: one workload through sequential, static, engine, stack and prefix modes, side by side."""
+"""`manage.py bench`: one workload through sequential, static, engine, stack and prefix modes, side by side.
+
+With --peer, an OpenAI-compatible server joins: `peer` replays the workload against it beside the
+engine, and `remote` replays it against it twice, directly and through the stack (docs/benchmarks.md).
+"""
 
 from __future__ import annotations
 
@@ -19,8 +23,9 @@ from inference.engine.bench.workload import WorkloadSpec, describe, mixed_worklo
 from inference.engine.patches.quantization import MODES
 from inference.engines import model_dir
 
-ALL_MODES = ("sequential", "static", "engine", "stack", "prefix", "peer")
-DEFAULT_MODES = ALL_MODES[:-1]  # peer runs when --peer names a server
+ALL_MODES = ("sequential", "static", "engine", "stack", "prefix", "peer", "remote")
+DEFAULT_MODES = ALL_MODES[:-2]  # peer runs when --peer names a server; remote when asked for
+NEEDS_PEER = ("peer", "remote")
 QUICK_REQUESTS = 24
 
 
@@ -38,7 +43,8 @@ class Command(DatabaseCommand):
                             help=f"comma-separated, of {', '.join(ALL_MODES)} (default: all but peer, plus peer with --peer)")
         parser.add_argument("--peer", metavar="URL",
                             help="an OpenAI-compatible server (e.g. llama.cpp's llama-server) to replay the same workload "
-                                 "against as the peer mode, in the same run (docs/benchmarks.md says how to build one)")
+                                 "against as the peer mode, in the same run (docs/benchmarks.md says how to build one); "
+                                 "the remote mode sends it the workload directly and through the stack")
         parser.add_argument("--threads", type=int, default=settings.CEILING_TORCH_THREADS)
         parser.add_argument("--loop", choices=("owned", "transformers"), default=settings.CEILING_ENGINE_LOOP,
                             help="the decode loop of the engine and stack modes (CEILING_ENGINE_LOOP)")
@@ -90,7 +96,7 @@ class Command(DatabaseCommand):
             self._html_path(options)
         except CommandError:
             return False
-        return "stack" in modes
+        return "stack" in modes or "remote" in modes
 
     @staticmethod
     def _html_path(options: dict) -> Path:
@@ -108,8 +114,9 @@ class Command(DatabaseCommand):
         unknown = sorted(set(modes) - set(ALL_MODES))
         if unknown or not modes:
             raise CommandError(f"unknown mode(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(ALL_MODES)}")
-        if "peer" in modes and not peer:
-            raise CommandError("the peer mode needs --peer URL: the OpenAI-compatible server to compare with")
+        for mode in NEEDS_PEER:
+            if mode in modes and not peer:
+                raise CommandError(f"the {mode} mode needs --peer URL: the OpenAI-compatible server to compare with")
         return [m for m in ALL_MODES if m in modes]
 
     def _spec(self, options) -> WorkloadSpec:
@@ -174,7 +181,13 @@ class Command(DatabaseCommand):
                 if mode == "prefix":
                     prefix = run_in_child(mode, folder, requests, {"threads": threads}, options["mode_timeout"])
                     continue
-                if mode == "stack":
+                if mode == "remote":
+                    direct, run = self._remote(options["peer"], requests, threads, engine_options, options["stream_interval"])
+                    runs.setdefault("remote_direct", []).append(direct)
+                    figures = direct["summary"]
+                    self.stdout.write(f"  directly: {figures['output_tokens_per_s']:g} output tokens/s, "
+                                      f"TTFT p50 {figures['ttft_p50_ms']:g} ms; through the stack:")
+                elif mode == "stack":
                     run = self._stack(requests, threads, engine_options, options["stream_interval"])
                 elif mode == "peer":
                     run = asdict(run_peer(options["peer"], requests))
@@ -186,6 +199,8 @@ class Command(DatabaseCommand):
                 figures = run["summary"]
                 self.stdout.write(f"  {figures['output_tokens_per_s']:g} output tokens/s, TTFT p50 {figures['ttft_p50_ms']:g} ms")
         results = {mode: median_run(mode_runs) for mode, mode_runs in runs.items()}
+        if "remote" in results:  # the direct run of the same round: a ratio compares one round's pair
+            results["remote_direct"] = runs["remote_direct"][runs["remote"].index(results["remote"])]
         flops = best_flops(machine, flops_before, measured_flops(threads))
         result = report.result_json(workload, machine, results, prefix, roofline_tokens_per_s(flops, machine["parameters"]))
         details = {
@@ -199,19 +214,30 @@ class Command(DatabaseCommand):
     def _stack(self, requests, threads: int, engine_options: dict, stream_interval: int) -> dict:
         from inference.tools.stack_bench import run_stack
 
-        env = {
-            "CEILING_ENGINE_LOOP": engine_options["loop"],
-            "CEILING_ATTENTION": engine_options["attention"],
-            "CEILING_MAX_BATCH_TOKENS": str(engine_options["max_batch_tokens"]),
-            "CEILING_SKINNY_LINEAR": "1" if engine_options["skinny_linear"] else "0",
-            "CEILING_QUANTIZATION": engine_options["quantization"],
-            "CEILING_COMPILE_DECODE": "1" if engine_options["compile_buckets"] else "0",
-            "CEILING_COMPILE_BUCKETS": ",".join(map(str, engine_options["compile_buckets"] or settings.CEILING_COMPILE_BUCKETS)),
-            "CEILING_STREAM_INTERVAL": str(stream_interval),
-        }
-        result = run_stack(requests, threads=threads, engine_env=env, log_dir=Path(settings.VAR_DIR) / "bench",
-                           progress=self.stdout.write)
+        result = run_stack(requests, threads=threads, engine_env=stack_env(engine_options, stream_interval),
+                           log_dir=Path(settings.VAR_DIR) / "bench", progress=self.stdout.write)
         return asdict(result)
+
+    def _remote(self, peer: str, requests, threads: int, engine_options: dict, stream_interval: int) -> tuple[dict, dict]:
+        from inference.tools.stack_bench import run_remote
+
+        direct, through = run_remote(peer, requests, threads=threads, engine_env=stack_env(engine_options, stream_interval),
+                                     log_dir=Path(settings.VAR_DIR) / "bench", progress=self.stdout.write)
+        return asdict(direct), asdict(through)
+
+
+def stack_env(engine_options: dict, stream_interval: int) -> dict[str, str]:
+    """The environment of the daphne and worker a stack or remote run starts: the engine under test."""
+    return {
+        "CEILING_ENGINE_LOOP": engine_options["loop"],
+        "CEILING_ATTENTION": engine_options["attention"],
+        "CEILING_MAX_BATCH_TOKENS": str(engine_options["max_batch_tokens"]),
+        "CEILING_SKINNY_LINEAR": "1" if engine_options["skinny_linear"] else "0",
+        "CEILING_QUANTIZATION": engine_options["quantization"],
+        "CEILING_COMPILE_DECODE": "1" if engine_options["compile_buckets"] else "0",
+        "CEILING_COMPILE_BUCKETS": ",".join(map(str, engine_options["compile_buckets"] or settings.CEILING_COMPILE_BUCKETS)),
+        "CEILING_STREAM_INTERVAL": str(stream_interval),
+    }
 
 
 def median_run(runs: list[dict]) -> dict:
