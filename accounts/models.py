@@ -16,6 +16,9 @@ KEY_PREFIX = "ck_"
 SHOWN_CHARS = 8  # of the key, kept in the clear so a person can tell their keys apart
 
 
+KEY_CAP_FIELDS = ("max_requests_per_day", "max_cost_per_day_micro_usd", "max_cost_per_month_micro_usd")
+
+
 def hash_key(plaintext: str) -> str:
     return hashlib.sha256(plaintext.encode()).hexdigest()
 
@@ -40,6 +43,11 @@ class ApiKey(models.Model):
     created_at = models.DateTimeField()
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    # The key's own caps, below its user's (budgets/guard.py checks both in the same admission). Set by
+    # the key's owner, who may only lower them, or by staff (budgets.actions.do_set_key_caps).
+    max_requests_per_day = models.PositiveIntegerField(null=True, blank=True)
+    max_cost_per_day_micro_usd = models.PositiveBigIntegerField(null=True, blank=True)
+    max_cost_per_month_micro_usd = models.PositiveBigIntegerField(null=True, blank=True)
 
     objects = ApiKeyQuerySet.as_manager()
 
@@ -49,6 +57,10 @@ class ApiKey(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} ({self.prefix}…)"
+
+    @property
+    def has_caps(self) -> bool:
+        return any(getattr(self, name) is not None for name in KEY_CAP_FIELDS)
 
     @property
     def is_active(self) -> bool:
