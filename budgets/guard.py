@@ -38,11 +38,11 @@ from .models import (
     TeamMembership,
     TeamQuota,
     TokenLog,
-    tags_text,
     unique_row,
 )
 from .money import format_usd
 from .periods import describe_reset, period_bounds, period_key, seconds_until_reset
+from .tags import tags_text
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def _team_ceilings(scopes: Scopes, feature: Feature, period: str, pkey: str, ttl
             CounterSpec(f"ceiling:c:team:{team.pk}:all:{period}:{pkey}", _limits(quota), ttl),
             "team", period, f"your team {team.name!r}", {"team_id": team.pk, **window},
         ))
-    quota = scopes.team_quota(feature, period)
+    quota = scopes.team_quota(feature, period) if feature is not None else None
     if quota is not None:
         ceilings.append(Ceiling(
             CounterSpec(f"ceiling:c:team:{team.pk}:f{feature.pk}:{period}:{pkey}", _limits(quota), ttl),

@@ -6,6 +6,8 @@ from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
+from .tags import TAG_RE, TAG_RULE
+
 
 def unique_row(queryset: models.QuerySet) -> models.Model | None:
     """The row a filter on a unique key matches, or None.
@@ -178,14 +180,7 @@ class Feature(models.Model):
         return []
 
 
-TAG_RE = r"^[a-z0-9][a-z0-9_.:-]{0,31}$"
-MAX_TAGS = 8
-tag_validator = RegexValidator(TAG_RE, "A tag is 1 to 32 lowercase letters, digits, '.', ':', '-' or '_', starting with a letter or digit.")
-
-
-def tags_text(tags) -> str:
-    """How a row stores its tags: ",support,beta," (a tag never holds a comma), "" for none."""
-    return f",{','.join(tags)}," if tags else ""
+tag_validator = RegexValidator(TAG_RE, f"A tag is {TAG_RULE}.")
 
 
 class Team(models.Model):

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from .views import alerts, config, costmodel, logs, overview
+from .views import alerts, config, costmodel, logs, overview, teams
 
 urlpatterns = [
     path("staff/", overview.overview, name="staff-overview"),
@@ -10,6 +10,8 @@ urlpatterns = [
     path("staff/logs/", logs.token_logs, name="staff-logs"),
     path("staff/users/", config.users, name="staff-users"),
     path("staff/users/<int:user_id>/", config.user_detail, name="staff-user"),
+    path("staff/teams/", teams.teams, name="staff-teams"),
+    path("staff/teams/<int:team_id>/", teams.team_detail, name="staff-team"),
     path("staff/defaults/", config.defaults, name="staff-defaults"),
     path("staff/features/", config.features, name="staff-features"),
     path("staff/providers/", config.providers, name="staff-providers"),

@@ -26,6 +26,8 @@ def do_admit_request(
     params: dict | None = None,
     end_user: str = "",
     fallback: Fallback | None = None,
+    api_key=None,
+    tags: tuple[str, ...] = (),
 ) -> Decision:
     """Ask the guard; when admitted, store the prompt for the worker. Refusals are logged by the guard.
 
@@ -41,6 +43,8 @@ def do_admit_request(
         max_tokens=max_tokens,
         loop=loop,
         fallback=fallback,
+        api_key=api_key,
+        tags=tags,
     )
     decision = admit(request)
     if decision.admitted:

@@ -409,6 +409,8 @@ def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, max_t
         params=frame.params.stored(),
         end_user=frame.params.end_user,
         fallback=fallback_for(feature, frame, len(prompt_ids)),
+        api_key=frame.api_key,
+        tags=frame.tags,
     )
 
 

@@ -16,8 +16,9 @@ from django.db import transaction
 from accounts.management.database import DatabaseCommand
 from accounts.models import ApiKey
 from budgets.actions import QUOTA_FIELDS, do_set_key_caps, do_set_quota, do_set_tag_quota, do_set_team_quota
-from budgets.models import TAG_RE, Feature, Period, Quota, TagQuota, Team, TeamQuota
+from budgets.models import Feature, Period, Quota, TagQuota, Team, TeamQuota
 from budgets.money import NegativeAmount, TooPrecise, parse_usd
+from budgets.tags import TAG_RE, TAG_RULE
 
 # The audit trail's actor: no person is logged in on the command line, so the entry has none
 # (the audit page shows "—"), exactly as AuditEntry.actor allows.
@@ -125,7 +126,7 @@ class Command(DatabaseCommand):
 
     def _tag(self, tag, period, requests, tokens, cost_usd, feature, clear) -> None:
         if not re.match(TAG_RE, tag):
-            raise CommandError(f"{tag!r} is not a tag name: 1 to 32 lowercase letters, digits, '.', ':', '-' or '_'.")
+            raise CommandError(f"{tag!r} is not a tag name: {TAG_RULE}.")
         if period != Period.MONTH:
             raise CommandError("A tag's cap is per month: use --period month.")
         if requests is not None or tokens is not None or feature is not None:
