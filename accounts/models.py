@@ -59,9 +59,25 @@ class ApiKey(models.Model):
         return f"{self.name} ({self.prefix}…)"
 
     @property
+    def max_cost_per_day_text(self) -> str:
+        return _dollars(self.max_cost_per_day_micro_usd)
+
+    @property
+    def max_cost_per_month_text(self) -> str:
+        return _dollars(self.max_cost_per_month_micro_usd)
+
+    @property
     def has_caps(self) -> bool:
         return any(getattr(self, name) is not None for name in KEY_CAP_FIELDS)
 
     @property
     def is_active(self) -> bool:
         return self.revoked_at is None
+
+
+def _dollars(micro_usd: int | None) -> str:
+    # accounts imports no other app (budgets.money has the full formatter): exact, no trailing zeros.
+    if micro_usd is None:
+        return ""
+    whole, fraction = divmod(micro_usd, 1_000_000)
+    return f"${whole:,}.{f'{fraction:06d}'.rstrip('0').ljust(2, '0')}"

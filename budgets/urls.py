@@ -1,6 +1,6 @@
 from django.urls import path
 
-from .views import alerts, config, costmodel, logs, overview, teams
+from .views import alerts, config, costmodel, keys, logs, overview, teams
 
 urlpatterns = [
     path("staff/", overview.overview, name="staff-overview"),
@@ -20,4 +20,5 @@ urlpatterns = [
     path("staff/alerts/", alerts.alerts, name="staff-alerts"),
     path("staff/alerts/webhooks/<int:webhook_id>/", alerts.webhook_detail, name="staff-webhook"),
     path("usage/", logs.my_usage, name="my-usage"),
+    path("usage/keys/<int:key_id>/caps/", keys.key_caps, name="api-key-caps"),
 ]

@@ -102,3 +102,24 @@ def test_a_bad_cap_changes_nothing(staff_client, support):
     response = staff_client.post(url, {**data, "save_caps": "1"})
     assert "Nothing was saved" in response.content.decode()
     assert not TeamQuota.objects.exists()
+
+
+def test_the_token_log_filters_by_tag_and_by_team_and_shows_the_tags(staff_client, support, alice, bob, chat_feature):
+    common = dict(feature=chat_feature, model="m", status=TokenLog.Status.OK, created_at=timezone.now())
+    TokenLog.objects.bulk_create([
+        TokenLog(request_id="tagged-support", user=alice, team=support, tags=",support,beta,", **common),
+        TokenLog(request_id="tagged-beta", user=bob, team=None, tags=",beta,", **common),
+        TokenLog(request_id="tagged-supported", user=bob, team=None, tags=",supported,", **common),
+    ])
+
+    def ids(**query) -> set[str]:
+        response = staff_client.get(reverse("staff-logs"), query)
+        assert response.status_code == 200
+        return {row.request_id for row in response.context["rows"]}
+
+    assert ids(tag="support") == {"tagged-support"}  # not "supported": whole names only
+    assert ids(tag="beta") == {"tagged-support", "tagged-beta"}
+    assert ids(team="Support") == {"tagged-support"}
+    assert '<span class="tag">beta</span>' in staff_client.get(reverse("staff-logs")).content.decode()
+    assert staff_client.get(reverse("staff-logs"), {"tag": "Not a tag"}).status_code == 400
+    assert staff_client.get(reverse("staff-logs"), {"team": "Nobody"}).status_code == 400
