@@ -73,7 +73,9 @@ def test_a_keys_own_daily_cap_refuses_it_and_not_its_users_other_keys(key_and_cl
     key, client = key_and_client
     key.max_requests_per_day = 1
     key.save()
-    client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+    first = client.chat.completions.with_raw_response.create(model=MODEL, messages=HELLO, max_tokens=2)
+    # The key's cap is the tightest: the rate-limit headers count it.
+    assert (first.headers["x-ratelimit-limit-requests"], first.headers["x-ratelimit-remaining-requests"]) == ("1", "0")
     with pytest.raises(openai.RateLimitError) as refused:
         client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
     assert refused.value.code == "key_requests_per_day"
