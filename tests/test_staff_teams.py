@@ -123,3 +123,23 @@ def test_the_token_log_filters_by_tag_and_by_team_and_shows_the_tags(staff_clien
     assert '<span class="tag">beta</span>' in staff_client.get(reverse("staff-logs")).content.decode()
     assert staff_client.get(reverse("staff-logs"), {"tag": "Not a tag"}).status_code == 400
     assert staff_client.get(reverse("staff-logs"), {"team": "Nobody"}).status_code == 400
+
+
+def test_the_tags_page_shows_each_tags_spend_against_its_cap_and_sets_caps_with_an_audit_trail(
+        staff_client, staff, alice, bob, chat_feature):
+    common = dict(feature=chat_feature, model="m", status=TokenLog.Status.OK, created_at=timezone.now())
+    TokenLog.objects.bulk_create([
+        TokenLog(request_id="t1", user=alice, tags=",support,", cost_micro_usd=1_500_000, **common),
+        TokenLog(request_id="t2", user=bob, tags=",beta,support,", cost_micro_usd=1_000_000, **common),
+        TokenLog(request_id="t3", user=bob, tags=",supported,", cost_micro_usd=9_000_000, **common),
+    ])
+    assert staff_client.post(reverse("staff-tags"), {"tag": "support", "max_cost_usd": "10"}).status_code == 302
+
+    page = staff_client.get(reverse("staff-tags")).content.decode()
+    assert "$2.50" in page and "$10.00" in page  # alice's and bob's, not the 'supported' row
+    assert ("tag quota support/month", "max_cost", "no cap", "$10.00") in set(
+        AuditEntry.objects.filter(actor=staff).values_list("target", "field", "before", "after"))
+    assert staff_client.post(reverse("staff-tags"), {"tag": "support", "max_cost_usd": ""}).status_code == 302
+    assert "No tag has a cap yet." in staff_client.get(reverse("staff-tags")).content.decode()
+    bad = staff_client.post(reverse("staff-tags"), {"tag": "Not a tag", "max_cost_usd": "1"})
+    assert bad.status_code == 200 and "A tag is 1 to 32 lowercase letters" in bad.content.decode()

@@ -1,4 +1,5 @@
-"""Teams (staff only): each team's usage against its caps, its members, its caps; every change audited.
+"""Teams and tags (staff only): each team's usage against its caps, its members, its caps; each tag's
+spend this month against its cap; every change audited.
 
 As the users pages: input through Forms, writes through budgets.actions (one AuditEntry per changed
 field, in the same transaction), usage from one aggregate query over the ledger rows that record
@@ -14,15 +15,18 @@ from django.contrib import messages
 from django.contrib.auth import get_user_model
 from django.core.paginator import Paginator
 from django.db import transaction
-from django.db.models import Count
+from django.db.models import Count, Q, Sum
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 
-from ..actions import do_create_team, do_set_team, do_set_team_quota
-from ..forms import CapsForm
-from ..models import Feature, Period, Team, TeamMembership, TeamQuota, TokenLog
+from ..actions import do_create_team, do_set_tag_quota, do_set_team, do_set_team_quota
+from ..forms import NOT_NEGATIVE, CapsForm, DollarsField, to_micro_usd
+from ..guard import SETTLED
+from ..models import Feature, Period, TagQuota, Team, TeamMembership, TeamQuota, TokenLog, tag_validator
+from ..periods import period_bounds
 from ..permissions import staff_required
+from ..tags import tags_text
 from ..usage import NO_USAGE, Gauge, caps_of, gauges, total_usage, usage_by
 from .config import flash_saved
 
@@ -125,3 +129,30 @@ def team_detail(request: HttpRequest, team_id: int) -> HttpResponse:
         "scopes": [("All features", caps[:2]), ("Per feature", caps[2:])], "for_user": False,
     }
     return render(request, "budgets/team_detail.html", context)
+
+
+# --- tags: a monthly spend cap per tag -------------------------------------------------------------
+
+
+class TagCapForm(forms.Form):
+    tag = forms.CharField(max_length=32, validators=[tag_validator])
+    max_cost_usd = DollarsField(label="Cost per month ($)", required=False, error_messages=NOT_NEGATIVE,
+                                help_text="Empty removes the tag's cap.")
+
+
+@staff_required
+def tags(request: HttpRequest) -> HttpResponse:
+    form = TagCapForm(request.POST if request.method == "POST" else None)
+    if form.is_bound and form.is_valid():
+        tag = form.cleaned_data["tag"]
+        flash_saved(request, len(do_set_tag_quota(request.user, tag, to_micro_usd(form.cleaned_data["max_cost_usd"]))))
+        return redirect("staff-tags")
+    quotas = list(TagQuota.objects.order_by("tag"))
+    now = timezone.now()
+    start, end = period_bounds(Period.MONTH, now)
+    # One aggregate for every capped tag: a conditional sum per tag over this month's settled rows.
+    sums = TokenLog.objects.filter(SETTLED, cache="", created_at__gte=start, created_at__lt=end).aggregate(**{
+        f"t{i}": Sum("cost_micro_usd", filter=Q(tags__contains=tags_text([q.tag]))) for i, q in enumerate(quotas)
+    }) if quotas else {}
+    rows = [(q, Gauge(sums.get(f"t{i}") or 0, q.max_cost_micro_usd, money=True)) for i, q in enumerate(quotas)]
+    return render(request, "budgets/tags.html", {"rows": rows, "form": form})
