@@ -103,10 +103,10 @@ def test_a_command_on_a_half_migrated_database_names_what_is_missing(migrated_sq
     half = tmp_path / "half.sqlite3"
     half.write_bytes(path.read_bytes())
     with sqlite3.connect(half) as db:  # as if the checkout was pulled after the last `migrate`
-        db.execute("DELETE FROM django_migrations WHERE app = 'budgets' AND name = '0014_quota_per_scope_and_local_price'")
+        db.execute("DELETE FROM django_migrations WHERE app = 'budgets' AND name = '0015_teams_keys_tags'")  # the newest
     result = manage(f"sqlite:///{half}", "set_quota", "alice", "--period", "day", "--requests", "5")
     assert result.returncode == 2, result.stdout + result.stderr
-    assert (f"the database at {half} is not migrated (1 migration to apply: budgets.0014_quota_per_scope_and_local_price): "
+    assert (f"the database at {half} is not migrated (1 migration to apply: budgets.0015_teams_keys_tags): "
             "run `manage.py migrate`.") in result.stderr
     assert "Traceback" not in result.stderr
 
