@@ -16,6 +16,9 @@ KEY_PREFIX = "ck_"
 SHOWN_CHARS = 8  # of the key, kept in the clear so a person can tell their keys apart
 
 
+KEY_CAP_FIELDS = ("max_requests_per_day", "max_cost_per_day_micro_usd", "max_cost_per_month_micro_usd")
+
+
 def hash_key(plaintext: str) -> str:
     return hashlib.sha256(plaintext.encode()).hexdigest()
 
@@ -40,6 +43,11 @@ class ApiKey(models.Model):
     created_at = models.DateTimeField()
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    # The key's own caps, below its user's (budgets/guard.py checks both in the same admission). Set by
+    # the key's owner, who may only lower them, or by staff (budgets.actions.do_set_key_caps).
+    max_requests_per_day = models.PositiveIntegerField(null=True, blank=True)
+    max_cost_per_day_micro_usd = models.PositiveBigIntegerField(null=True, blank=True)
+    max_cost_per_month_micro_usd = models.PositiveBigIntegerField(null=True, blank=True)
 
     objects = ApiKeyQuerySet.as_manager()
 
@@ -51,5 +59,25 @@ class ApiKey(models.Model):
         return f"{self.name} ({self.prefix}…)"
 
     @property
+    def max_cost_per_day_text(self) -> str:
+        return _dollars(self.max_cost_per_day_micro_usd)
+
+    @property
+    def max_cost_per_month_text(self) -> str:
+        return _dollars(self.max_cost_per_month_micro_usd)
+
+    @property
+    def has_caps(self) -> bool:
+        return any(getattr(self, name) is not None for name in KEY_CAP_FIELDS)
+
+    @property
     def is_active(self) -> bool:
         return self.revoked_at is None
+
+
+def _dollars(micro_usd: int | None) -> str:
+    # accounts imports no other app (budgets.money has the full formatter): exact, no trailing zeros.
+    if micro_usd is None:
+        return ""
+    whole, fraction = divmod(micro_usd, 1_000_000)
+    return f"${whole:,}.{f'{fraction:06d}'.rstrip('0').ljust(2, '0')}"

@@ -21,6 +21,10 @@ from .models import (
     Provider,
     Quota,
     RetrievalFacts,
+    TagQuota,
+    Team,
+    TeamMembership,
+    TeamQuota,
     TokenLog,
     WebhookDelivery,
     unique_row,
@@ -383,6 +387,107 @@ def do_set_quota(
                 quota.save(update_fields=changed)
         changes = {name: (audit_text(name, before[name]), audit_text(name, after[name])) for name in changed}
         return _record(actor, action, quota_target(user, feature, period), changes)
+
+
+# --- teams, API keys and tags: the scopes beyond one user ------------------------------------------
+
+
+def team_quota_target(team: Team, feature: Feature | None, period: str) -> str:
+    return f"team quota {team.name}/{feature.name if feature else 'all'}/{period}"
+
+
+def do_create_team(actor: AbstractBaseUser | None, name: str, members: Iterable[AbstractBaseUser] = ()) -> tuple[Team, list[AuditEntry]]:
+    """A new team, with its first members (each moved from any team they were in), audited."""
+    with transaction.atomic():
+        team = Team.objects.create(name=name)
+        entries = _record(actor, "create", f"team {team.name}", {"name": ("", team.name)})
+        for user in members:
+            entries += do_set_team(actor, user, team)
+        return team, entries
+
+
+def do_set_team(actor: AbstractBaseUser | None, user: AbstractBaseUser, team: Team | None) -> list[AuditEntry]:
+    """Put a user in a team (out of any other: a user is in at most one), or out of every team (None).
+
+    The ledger rows already written keep the team they were admitted under, so the team's counters
+    and a rebuild from the ledger agree whenever someone moves.
+    """
+    with transaction.atomic():
+        current = unique_row(TeamMembership.objects.select_for_update().select_related("team").filter(user_id=user.pk))
+        before = current.team if current else None
+        if (before.pk if before else None) == (team.pk if team else None):
+            return []
+        if team is None:
+            current.delete()
+        elif current is None:
+            TeamMembership.objects.create(user=user, team=team)
+        else:
+            current.team = team
+            current.save(update_fields=["team"])
+        change = {"team": (before.name if before else "none", team.name if team else "none")}
+        return _record(actor, "update", f"user {user.get_username()}", change)
+
+
+def do_set_team_quota(
+    actor: AbstractBaseUser | None, *, team: Team, feature: Feature | None, period: str,
+    caps: dict[str, int | None] | None,
+) -> list[AuditEntry]:
+    """A team's caps for one scope (all features or one, a period); None or no cap at all removes the row."""
+    if caps is not None and all(value is None for value in caps.values()):
+        caps = None
+    with transaction.atomic():
+        quota = TeamQuota.objects.select_for_update().filter(team=team, feature=feature, period=period).first()
+        before = {name: getattr(quota, name) if quota else None for name in QUOTA_FIELDS}
+        after = {name: caps[name] if caps is not None else None for name in QUOTA_FIELDS}
+        changed = [name for name in QUOTA_FIELDS if before[name] != after[name]]
+        if caps is None:
+            action = "delete"
+            if quota is not None:
+                quota.delete()
+        elif quota is None:
+            action = "create"
+            TeamQuota.objects.create(team=team, feature=feature, period=period, **caps)
+        else:
+            action = "update"
+            for name in changed:
+                setattr(quota, name, caps[name])
+            if changed:
+                quota.save(update_fields=changed)
+        changes = {name: (audit_text(name, before[name]), audit_text(name, after[name])) for name in changed}
+        return _record(actor, action, team_quota_target(team, feature, period), changes)
+
+
+def do_set_key_caps(actor: AbstractBaseUser | None, key, caps: dict[str, int | None]) -> list[AuditEntry]:
+    """An API key's own caps (accounts.models.KEY_CAP_FIELDS; a field left out is kept), audited.
+
+    Who may raise what is the caller's rule (the owner may only lower, staff may do anything); the
+    guard applies whatever is saved at the key's next admission.
+    """
+    before = snapshot(key, caps)
+    for name, value in caps.items():
+        setattr(key, name, value)
+    return do_save_with_audit(actor, key, list(caps), before, target=f"api key {key.pk} ({key.user.get_username()}/{key.name})")
+
+
+def do_set_tag_quota(actor: AbstractBaseUser | None, tag: str, max_cost_micro_usd: int | None) -> list[AuditEntry]:
+    """A tag's monthly spend cap; None removes it."""
+    with transaction.atomic():
+        quota = TagQuota.objects.select_for_update().filter(tag=tag).first()
+        before = quota.max_cost_micro_usd if quota else None
+        if before == max_cost_micro_usd:
+            return []
+        if max_cost_micro_usd is None:
+            action = "delete"
+            quota.delete()
+        elif quota is None:
+            action = "create"
+            TagQuota.objects.create(tag=tag, max_cost_micro_usd=max_cost_micro_usd)
+        else:
+            action = "update"
+            quota.max_cost_micro_usd = max_cost_micro_usd
+            quota.save(update_fields=["max_cost_micro_usd"])
+        change = {"max_cost_micro_usd": (audit_text("max_cost_micro_usd", before), audit_text("max_cost_micro_usd", max_cost_micro_usd))}
+        return _record(actor, action, f"tag quota {tag}/month", change)
 
 
 # --- alert webhooks ------------------------------------------------------------------------------

@@ -21,9 +21,10 @@ from django.utils import timezone
 
 from . import costmodel
 from .actions import QUOTA_FIELDS
-from .models import AlertWebhook, Feature, ModelPrice, Period, Provider, Quota, TokenLog
+from .models import AlertWebhook, Feature, ModelPrice, Period, Provider, Quota, Team, TokenLog, tag_validator
 from .money import format_usd, parse_usd
 from .periods import local_zone
+from .tags import tags_text
 from .usage import caps_of
 
 MAX_USD = Decimal("1000000000")  # far beyond any real cap, far below the bigint column
@@ -514,6 +515,8 @@ class LogFilterForm(forms.Form):
         required=False, max_length=64, label="Refusal code",
         validators=[RegexValidator(r"^[a-z0-9_]+$", "Refusal codes are lowercase letters, digits and _.")],
     )
+    team = forms.CharField(required=False, max_length=64, label="Team")
+    tag = forms.CharField(required=False, max_length=32, label="Tag", validators=[tag_validator])
     date_from = forms.DateField(required=False, label="From", widget=forms.DateInput(attrs={"type": "date"}))
     date_to = forms.DateField(required=False, label="To (inclusive)", widget=forms.DateInput(attrs={"type": "date"}))
     before = forms.CharField(required=False, widget=forms.HiddenInput)
@@ -528,6 +531,16 @@ class LogFilterForm(forms.Form):
         if user is None:
             raise forms.ValidationError(f"There is no user named {username!r}.")
         return user
+
+    def clean_team(self) -> Team | None:
+        # A text box, not a select: the page renders no query for it, and a name is resolved only when given.
+        name = self.cleaned_data["team"].strip()
+        if not name:
+            return None
+        team = Team.objects.filter(name=name).first()
+        if team is None:
+            raise forms.ValidationError(f"There is no team named {name!r}.")
+        return team
 
     def clean_before(self) -> Position | None:
         raw = self.cleaned_data["before"]
@@ -556,6 +569,10 @@ class LogFilterForm(forms.Form):
             rows = rows.filter(status=data["status"])
         if data["refusal_code"]:
             rows = rows.filter(refusal_code=data["refusal_code"])
+        if data["team"]:
+            rows = rows.filter(team=data["team"])
+        if data["tag"]:
+            rows = rows.filter(tags__contains=tags_text([data["tag"]]))
         # Dates are calendar days in settings.TIME_ZONE, like every period in Ceiling.
         if data["date_from"]:
             rows = rows.filter(created_at__gte=datetime.combine(data["date_from"], time(), tzinfo=local_zone()))
@@ -580,3 +597,46 @@ class WebhookForm(forms.Form):
         if not url.startswith(("http://", "https://")):
             raise ValidationError("A webhook URL starts with http:// or https://.")
         return url
+
+
+# --- an API key's own caps -------------------------------------------------------------------------
+
+
+class KeyCapsForm(forms.Form):
+    """An API key's caps, below its user's. The key's owner may only lower them (or set one where
+    there was none); staff may set anything. An empty box means no cap of the key's own."""
+
+    max_requests_per_day = forms.IntegerField(
+        label="Requests per day", required=False, min_value=0, max_value=MAX_REQUESTS, error_messages=NOT_NEGATIVE
+    )
+    max_cost_per_day_usd = DollarsField(label="Cost per day ($)", required=False, error_messages=NOT_NEGATIVE)
+    max_cost_per_month_usd = DollarsField(label="Cost per month ($)", required=False, error_messages=NOT_NEGATIVE)
+
+    def __init__(self, *args, key, lower_only: bool, **kwargs) -> None:
+        kwargs.setdefault("initial", {
+            "max_requests_per_day": key.max_requests_per_day,
+            "max_cost_per_day_usd": dollars_text(key.max_cost_per_day_micro_usd),
+            "max_cost_per_month_usd": dollars_text(key.max_cost_per_month_micro_usd),
+        })
+        super().__init__(*args, **kwargs)
+        self.key, self.lower_only = key, lower_only
+        for name in self.fields:
+            self.fields[name].widget.attrs.update({"placeholder": "no cap"})
+
+    def caps(self) -> dict[str, int | None]:
+        return {
+            "max_requests_per_day": self.cleaned_data.get("max_requests_per_day"),
+            "max_cost_per_day_micro_usd": to_micro_usd(self.cleaned_data.get("max_cost_per_day_usd")),
+            "max_cost_per_month_micro_usd": to_micro_usd(self.cleaned_data.get("max_cost_per_month_usd")),
+        }
+
+    def clean(self) -> dict:
+        cleaned = super().clean()
+        if self.lower_only and not self.errors:
+            boxes = {"max_requests_per_day": "max_requests_per_day", "max_cost_per_day_micro_usd": "max_cost_per_day_usd",
+                     "max_cost_per_month_micro_usd": "max_cost_per_month_usd"}
+            for name, value in self.caps().items():
+                current = getattr(self.key, name)
+                if current is not None and (value is None or value > current):
+                    self.add_error(boxes[name], "You can only lower this cap; ask staff to raise or remove it.")
+        return cleaned

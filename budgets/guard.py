@@ -27,9 +27,23 @@ from django.utils import timezone
 
 from .counters import AdmitResult, CounterGroup, CounterSpec, CounterStore, Limits, Usage
 from .live import publish_on_commit
-from .models import Feature, ModelPrice, Period, Provider, Quota, RetrievalFacts, TokenLog
+from .models import (
+    Feature,
+    ModelPrice,
+    Period,
+    Provider,
+    Quota,
+    RetrievalFacts,
+    TagQuota,
+    Team,
+    TeamMembership,
+    TeamQuota,
+    TokenLog,
+    unique_row,
+)
 from .money import format_usd
 from .periods import describe_reset, period_bounds, period_key, seconds_until_reset
+from .tags import tags_text
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +77,11 @@ class Ceiling:
     """One cap that applies to a request, with what a person should read when it says no."""
 
     spec: CounterSpec
-    scope: str  # user | feature | provider | loop
+    scope: str  # user | feature | team | team_feature | key | tag | provider | loop
     period: str | None  # day | month | None (a loop has no calendar period)
-    subject: str  # "your", "the feature 'chat'", "the provider 'local'"
+    subject: str  # "your", "the feature 'chat'", "the provider 'local'", "your team 'Support'"
     ledger_filter: dict = field(hash=False, compare=False)
+    feature_name: str = ""  # a team's per-feature cap: the feature's name
 
 
 @dataclass(frozen=True)
@@ -76,10 +91,41 @@ class LoopLimits:
     max_cost_micro_usd: int | None
 
 
+@dataclass(frozen=True)
+class Scopes:
+    """Who else a request counts against besides its user: the user's team, its API key, its tags.
+
+    Read once per admission (the primary feature and its fallback share it); the ledger row records
+    the same team, key and tags, so a counter rebuilt from the ledger counts what the guard counted.
+    """
+
+    team: Team | None = None
+    team_quotas: tuple[TeamQuota, ...] = ()
+    api_key: object | None = None  # accounts.ApiKey, whose own caps it carries
+    tags: tuple[str, ...] = ()
+    tag_quotas: tuple[TagQuota, ...] = ()
+
+    def team_quota(self, feature: Feature | None, period: str) -> TeamQuota | None:
+        feature_id = feature.pk if feature else None
+        return next((q for q in self.team_quotas if q.feature_id == feature_id and q.period == period), None)
+
+
+def request_scopes(user, api_key=None, tags: tuple[str, ...] = ()) -> Scopes:
+    """One query for a user without a team; one more for a team's caps, one more for tag caps."""
+    membership = unique_row(TeamMembership.objects.select_related("team").filter(user_id=user.pk))
+    team = membership.team if membership else None
+    team_quotas = tuple(TeamQuota.objects.filter(team=team)) if team else ()
+    tag_quotas = tuple(TagQuota.objects.filter(tag__in=tags).order_by("tag")) if tags else ()
+    return Scopes(team, team_quotas, api_key, tuple(tags), tag_quotas)
+
+
 def applicable_ceilings(
-    user, feature: Feature, provider: Provider, at: datetime, loop: LoopLimits | None = None
+    user, feature: Feature, provider: Provider, at: datetime, loop: LoopLimits | None = None,
+    scopes: Scopes | None = None,
 ) -> list[Ceiling]:
     quotas = _quotas_for(user, feature)
+    if scopes is None:
+        scopes = request_scopes(user)
     ceilings = []
     for period in (Period.DAY, Period.MONTH):
         start, end = period_bounds(period, at)
@@ -103,6 +149,9 @@ def applicable_ceilings(
                     {"user_id": user.pk, "feature_id": feature.pk, **window},
                 )
             )
+        ceilings += _team_ceilings(scopes, feature, period, pkey, ttl, window)
+        ceilings += _key_ceilings(scopes.api_key, period, pkey, ttl, window)
+    ceilings += _tag_ceilings(scopes, at)
     if provider.monthly_limit_micro_usd is not None:
         start, end = period_bounds(Period.MONTH, at)
         ttl = int((end - at).total_seconds()) + COUNTER_GRACE_S
@@ -129,6 +178,57 @@ def applicable_ceilings(
             )
         )
     return [c for c in ceilings if c.spec.limits.any()]
+
+
+def _team_ceilings(scopes: Scopes, feature: Feature, period: str, pkey: str, ttl: int, window: dict) -> list[Ceiling]:
+    team = scopes.team
+    if team is None:
+        return []
+    ceilings = []
+    quota = scopes.team_quota(None, period)
+    if quota is not None:
+        ceilings.append(Ceiling(
+            CounterSpec(f"ceiling:c:team:{team.pk}:all:{period}:{pkey}", _limits(quota), ttl),
+            "team", period, f"your team {team.name!r}", {"team_id": team.pk, **window},
+        ))
+    quota = scopes.team_quota(feature, period) if feature is not None else None
+    if quota is not None:
+        ceilings.append(Ceiling(
+            CounterSpec(f"ceiling:c:team:{team.pk}:f{feature.pk}:{period}:{pkey}", _limits(quota), ttl),
+            "team_feature", period, f"your team {team.name!r}",
+            {"team_id": team.pk, "feature_id": feature.pk, **window},
+            feature.name,
+        ))
+    return ceilings
+
+
+def _key_ceilings(key, period: str, pkey: str, ttl: int, window: dict) -> list[Ceiling]:
+    if key is None:
+        return []
+    if period == Period.DAY:
+        limits = Limits(requests=key.max_requests_per_day, cost_micro_usd=key.max_cost_per_day_micro_usd)
+    else:
+        limits = Limits(cost_micro_usd=key.max_cost_per_month_micro_usd)
+    return [Ceiling(
+        CounterSpec(f"ceiling:c:key:{key.pk}:{period}:{pkey}", limits, ttl),
+        "key", period, f"this API key ({key.name!r})", {"api_key_id": key.pk, **window},
+    )]
+
+
+def _tag_ceilings(scopes: Scopes, at: datetime) -> list[Ceiling]:
+    if not scopes.tag_quotas:
+        return []
+    start, end = period_bounds(Period.MONTH, at)
+    ttl = int((end - at).total_seconds()) + COUNTER_GRACE_S
+    pkey = period_key(Period.MONTH, at)
+    return [
+        Ceiling(
+            CounterSpec(f"ceiling:c:tag:{q.tag}:month:{pkey}", Limits(cost_micro_usd=q.max_cost_micro_usd), ttl),
+            "tag", Period.MONTH, f"the tag {q.tag!r}",
+            {"tags__contains": tags_text([q.tag]), "created_at__gte": start, "created_at__lt": end},
+        )
+        for q in scopes.tag_quotas
+    ]
 
 
 def _quotas_for(user, feature: Feature) -> dict[tuple[bool, bool, str], Quota]:
@@ -186,6 +286,8 @@ class AdmissionRequest:
     provider: Provider | None = None
     fallback: Fallback | None = None
     retrieval: RetrievalFacts | None = None  # a docs feature's request: what retrieval added to its prompt
+    api_key: object | None = None  # accounts.ApiKey the request came with (the /v1 API); its caps apply
+    tags: tuple[str, ...] = ()  # validated names (budgets.models.TAG_RE), at most MAX_TAGS
 
 
 @dataclass
@@ -225,9 +327,11 @@ class Candidate:
 
 
 def candidate(request: AdmissionRequest, feature: Feature, provider: Provider | None, model: str, max_tokens: int,
-              now: datetime) -> Candidate:
+              now: datetime, scopes: Scopes | None = None) -> Candidate:
     provider = provider or feature.provider or Provider.default()
-    ceilings = applicable_ceilings(request.user, feature, provider, now, request.loop)
+    if scopes is None:
+        scopes = request_scopes(request.user, request.api_key, request.tags)
+    ceilings = applicable_ceilings(request.user, feature, provider, now, request.loop, scopes)
     return Candidate(feature, provider, model, max_tokens, price_in_force(provider, model, now), ceilings)
 
 
@@ -238,11 +342,14 @@ def admit(request: AdmissionRequest, now: datetime | None = None) -> Decision:
     request on the fallback's ceilings instead, when they have room, in the same Lua call.
     """
     now = now or timezone.now()
-    primary = candidate(request, request.feature, request.provider, request.model, request.max_tokens, now)
+    scopes = request_scopes(request.user, request.api_key, request.tags)
+    primary = candidate(request, request.feature, request.provider, request.model, request.max_tokens, now, scopes)
     # Its ceilings are read even when the primary will fit: one Lua call decides both, atomically.
     offered = request.fallback
-    fallback = candidate(request, offered.feature, None, offered.model, offered.max_tokens, now) if offered else None
-    row, created = _open_row(request, primary.provider, primary.price, primary.ceilings, now)
+    fallback = (
+        candidate(request, offered.feature, None, offered.model, offered.max_tokens, now, scopes) if offered else None
+    )
+    row, created = _open_row(request, primary.provider, primary.price, primary.ceilings, now, scopes.team)
     if not created:
         return Decision(False, request.request_id, code="duplicate_request", message="This request was already submitted.")
     try:
@@ -304,7 +411,7 @@ def _fallback_refused_too(fallback: Candidate, ceilings: list[Ceiling], refusal:
     return message, min(retries) if retries else None
 
 
-def _open_row(request, provider, price, ceilings, now) -> tuple[TokenLog | None, bool]:
+def _open_row(request, provider, price, ceilings, now, team=None) -> tuple[TokenLog | None, bool]:
     """(the new running row, True), or (None, False) when this request id is in the ledger already.
 
     One INSERT, not get_or_create's SELECT + INSERT under a savepoint: a duplicate id is rare and the
@@ -318,6 +425,9 @@ def _open_row(request, provider, price, ceilings, now) -> tuple[TokenLog | None,
         price=price,
         model=request.model,
         loop_id=request.loop.loop_id if request.loop else "",
+        team=team,
+        api_key=request.api_key,
+        tags=tags_text(request.tags),
         status=TokenLog.Status.RUNNING,
         prompt_tokens=request.prompt_tokens,
         max_tokens=request.max_tokens,
@@ -480,6 +590,8 @@ def refusal_text(ceiling: Ceiling, result: AdmitResult, now: datetime) -> tuple[
             f"{ceiling.subject.capitalize()} has reached its monthly spend limit: {amount}. "
             f"Requests resume {describe_reset(ceiling.period, now)}."
         )
+    elif ceiling.scope in GROUP_SCOPES:
+        message = _group_refusal(ceiling, result, metric, spent, when, now)
     elif ceiling.scope == "loop":
         if metric == "requests":
             message = f"This loop has made {spent:,} of its {result.refused_limit:,} allowed model calls; it stops here."
@@ -499,6 +611,29 @@ def refusal_text(ceiling: Ceiling, result: AdmitResult, now: datetime) -> tuple[
     return code, message, retry
 
 
+GROUP_SCOPES = ("team", "team_feature", "key", "tag")
+
+
+def _group_refusal(ceiling: Ceiling, result: AdmitResult, metric: str, spent: int, when: str, now: datetime) -> str:
+    """A team's, a key's or a tag's cap: who it belongs to, with numbers ("Your team 'Support' has used
+    $48.20 of its $50.00 for this month …")."""
+    limit = result.refused_limit
+    if metric == "cost":
+        amount = f"used {format_usd(spent)} of its {format_usd(limit)}"
+    else:
+        verb = "made" if metric == "requests" else "used"
+        amount = f"{verb} {spent:,} of its {limit:,} {metric}"
+    message = f"{ceiling.subject[0].upper()}{ceiling.subject[1:]} has {amount} {when}"
+    if ceiling.feature_name:
+        message += f" on {ceiling.feature_name!r}"
+    if result.refused_reserved:
+        message += " (counting answers still in progress)"
+    if metric == "tokens" and spent < limit:
+        message += f", and this conversation alone needs more than the {limit - spent:,} left"
+    whose = {"key": "This key's", "tag": "The tag's"}.get(ceiling.scope, "The team's")
+    return f"{message}. {whose} allowance resets {describe_reset(ceiling.period, now)}."
+
+
 def fell_back_text(ceiling: Ceiling, why: AdmitResult, served: Candidate, now: datetime) -> str:
     """What a client is told when the fallback serves: which cap said no, and who answers instead."""
     _, message, _ = refusal_text(ceiling, why, now)
@@ -510,7 +645,10 @@ def nearing_text(ceiling: Ceiling, result: AdmitResult, now: datetime) -> str:
     what = {"requests": "requests", "tokens": "tokens", "cost": "spending allowance"}[result.fullest_metric]
     when = {"day": "today's", "month": "this month's"}.get(ceiling.period or "", "this loop's")
     where = f" for {ceiling.subject.removeprefix('your ')}" if ceiling.scope == "feature" else ""
-    text = f"You have used {percent}% of {when} {what}{where}."
+    if ceiling.feature_name:
+        where = f" for {ceiling.feature_name!r}"
+    who = "You have" if ceiling.scope in ("user", "feature", "loop", "provider") else f"{ceiling.subject[0].upper()}{ceiling.subject[1:]} has"
+    text = f"{who} used {percent}% of {when} {what}{where}."
     if ceiling.period and ceiling.scope != "provider":
         text += f" It resets {describe_reset(ceiling.period, now)}."
     return text
@@ -522,7 +660,9 @@ def _code(ceiling: Ceiling, metric: str) -> str:
     if ceiling.scope == "loop":
         return "loop_calls" if metric == "requests" else "loop_spend"
     noun = {"requests": "requests", "tokens": "tokens", "cost": "cost"}[metric]
-    prefix = "user" if ceiling.scope == "user" else "feature"
+    prefix = {"user": "user", "team": "team", "team_feature": "team_feature", "key": "key", "tag": "tag"}.get(
+        ceiling.scope, "feature"
+    )
     return f"{prefix}_{noun}_per_{ceiling.period}"
 
 

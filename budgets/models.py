@@ -8,6 +8,8 @@ from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
+from .tags import TAG_RE, TAG_RULE
+
 
 def unique_row(queryset: models.QuerySet) -> models.Model | None:
     """The row a filter on a unique key matches, or None.
@@ -181,6 +183,30 @@ class Feature(models.Model):
         return []
 
 
+tag_validator = RegexValidator(TAG_RE, f"A tag is {TAG_RULE}.")
+
+
+class Team(models.Model):
+    """People who share caps: every member's requests also count against the team's (TeamQuota)."""
+
+    name = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class TeamMembership(models.Model):
+    """A user is in at most one team: the user is the key."""
+
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="team_membership")
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
+    joined_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.team}"
+
+
 class TokenLog(models.Model):
     """One row per request: admitted or refused, finished, cancelled or failed.
 
@@ -207,6 +233,12 @@ class TokenLog(models.Model):
     price = models.ForeignKey(ModelPrice, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
     model = models.CharField(max_length=200)
     loop_id = models.CharField(max_length=64, blank=True)
+    # The scopes beyond the user that counted this request when it was admitted, so that a counter
+    # rebuilt from the ledger counts exactly what the guard counted: the user's team then, the API
+    # key it came with, and its tags (stored as ",a,b,": tags_text()).
+    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.SET_NULL, related_name="token_logs")
+    api_key = models.ForeignKey("accounts.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="token_logs")
+    tags = models.CharField(max_length=300, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices)
     finish_reason = models.CharField(max_length=16, blank=True)
     refusal_code = models.CharField(max_length=64, blank=True)
@@ -247,6 +279,8 @@ class TokenLog(models.Model):
             models.Index(fields=["status", "created_at"]),
             models.Index(fields=["provider", "created_at"]),
             models.Index(fields=["loop_id"], condition=~models.Q(loop_id=""), name="tokenlog_loop_idx"),
+            models.Index(fields=["team", "created_at"], name="tokenlog_team_idx"),
+            models.Index(fields=["api_key", "created_at"], name="tokenlog_api_key_idx"),
             models.Index(
                 fields=["refusal_code", "created_at"], condition=~models.Q(refusal_code=""), name="tokenlog_refusal_idx"
             ),
@@ -254,6 +288,10 @@ class TokenLog(models.Model):
 
     def __str__(self) -> str:
         return f"{self.request_id} {self.status}"
+
+    @property
+    def tag_list(self) -> list[str]:
+        return [tag for tag in self.tags.split(",") if tag]
 
     @property
     def cost_usd(self) -> str:
@@ -320,6 +358,41 @@ class Quota(models.Model):
         who = self.user.username if self.user_id else "everyone"
         what = self.feature.name if self.feature_id else "all features"
         return f"{who} / {what} / {self.period}"
+
+
+class TeamQuota(models.Model):
+    """A team's cap for one period, on all features (feature empty) or one; like a user's Quota."""
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="quotas")
+    feature = models.ForeignKey(Feature, null=True, blank=True, on_delete=models.CASCADE, related_name="team_quotas")
+    period = models.CharField(max_length=8, choices=Period.choices)
+    max_requests = models.PositiveIntegerField(null=True, blank=True)
+    max_tokens = models.PositiveBigIntegerField(null=True, blank=True)
+    max_cost_micro_usd = models.PositiveBigIntegerField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["team", "feature", "period"], condition=models.Q(feature__isnull=False),
+                name="one_team_quota_per_feature",
+            ),
+            models.UniqueConstraint(
+                fields=["team", "period"], condition=models.Q(feature__isnull=True), name="one_team_quota",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"team {self.team.name} / {self.feature.name if self.feature_id else 'all features'} / {self.period}"
+
+
+class TagQuota(models.Model):
+    """A monthly spend cap on every request that carries a tag, whoever sends it."""
+
+    tag = models.CharField(max_length=32, unique=True, validators=[tag_validator])
+    max_cost_micro_usd = models.PositiveBigIntegerField()
+
+    def __str__(self) -> str:
+        return f"tag {self.tag} / month"
 
 
 class Alert(models.Model):

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from .views import alerts, config, costmodel, logs, overview
+from .views import alerts, config, costmodel, keys, logs, overview, teams
 
 urlpatterns = [
     path("staff/", overview.overview, name="staff-overview"),
@@ -11,6 +11,9 @@ urlpatterns = [
     path("staff/logs/<str:request_id>/", logs.request_detail, name="staff-request"),
     path("staff/users/", config.users, name="staff-users"),
     path("staff/users/<int:user_id>/", config.user_detail, name="staff-user"),
+    path("staff/teams/", teams.teams, name="staff-teams"),
+    path("staff/teams/<int:team_id>/", teams.team_detail, name="staff-team"),
+    path("staff/tags/", teams.tags, name="staff-tags"),
     path("staff/defaults/", config.defaults, name="staff-defaults"),
     path("staff/features/", config.features, name="staff-features"),
     path("staff/providers/", config.providers, name="staff-providers"),
@@ -19,4 +22,5 @@ urlpatterns = [
     path("staff/alerts/", alerts.alerts, name="staff-alerts"),
     path("staff/alerts/webhooks/<int:webhook_id>/", alerts.webhook_detail, name="staff-webhook"),
     path("usage/", logs.my_usage, name="my-usage"),
+    path("usage/keys/<int:key_id>/caps/", keys.key_caps, name="api-key-caps"),
 ]

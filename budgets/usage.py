@@ -16,7 +16,7 @@ from django.db.models import Count, F, Q, QuerySet, Sum
 
 from .actions import QUOTA_FIELDS
 from .counters import Usage
-from .guard import IN_FLIGHT, SETTLED, applicable_ceilings, ledger_sums
+from .guard import IN_FLIGHT, SETTLED, Scopes, applicable_ceilings, ledger_sums
 from .models import Feature, Period, Provider, Quota, TokenLog
 from .money import format_usd
 from .periods import describe_reset, period_bounds
@@ -387,7 +387,8 @@ def my_usage(user, now: datetime) -> MyUsage:
         if provider is None:
             default_provider = default_provider or Provider.default()
             provider = default_provider
-        for ceiling in applicable_ceilings(user, feature, provider, now):
+        # Scopes(): the user's own caps only; a team's, key's or tag's usage is not this user's alone.
+        for ceiling in applicable_ceilings(user, feature, provider, now, None, Scopes()):
             # The provider's monthly limit is everyone's, not this user's allowance.
             if ceiling.scope in ("user", "feature"):
                 ceilings.setdefault(ceiling.spec.key, ceiling)

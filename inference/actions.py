@@ -31,6 +31,8 @@ def do_admit_request(
     end_user: str = "",
     fallback: Fallback | None = None,
     retrieved: RetrievalFacts | None = None,
+    api_key=None,
+    tags: tuple[str, ...] = (),
 ) -> Decision:
     """Ask the guard; when admitted, store the prompt for the worker. Refusals are logged by the guard.
 
@@ -47,6 +49,8 @@ def do_admit_request(
         loop=loop,
         fallback=fallback,
         retrieval=retrieved,
+        api_key=api_key,
+        tags=tags,
     )
     decision = admit(request)
     if decision.admitted:

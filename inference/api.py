@@ -200,10 +200,27 @@ def parse_chat_request(body: bytes) -> ChatRequest:
         "loop_id": data.get("loop_id"),
         # max_completion_tokens is the newer name of the same limit; either may be sent.
         "max_tokens": _first_given(data.get("max_completion_tokens"), data.get("max_tokens")),
+        "tags": _tags_field(data),
     }
     frame = parse_chat({name: value for name, value in fields.items() if value is not None})
     frame = replace(frame, params=parse_params(data))
     return ChatRequest(frame, model, stream, feature_given=data.get("feature") is not None)
+
+
+def _tags_field(data: dict):
+    """`metadata.tags`, or `tags` at the top level (OpenAI's clients merge `extra_body` into the body),
+    or an `extra_body` object sent as is; one place only, so no request counts twice."""
+    metadata, extra = data.get("metadata"), data.get("extra_body")
+    given = [
+        value for value in (
+            metadata.get("tags") if isinstance(metadata, dict) else None,
+            data.get("tags"),
+            extra.get("tags") if isinstance(extra, dict) else None,
+        ) if value is not None
+    ]
+    if len(given) > 1:
+        raise FrameError("bad_tags", "Send \"tags\" once: in metadata.tags or in extra_body.tags, not both.")
+    return given[0] if given else None
 
 
 @database_sync_to_async
@@ -257,7 +274,7 @@ def with_rate_limits(view: View) -> View:
     async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
         request.rate_limit_feature = None
         response = await view(request, *args, **kwargs)
-        headers = await read_rate_limits(request.api_key.user, request.rate_limit_feature)
+        headers = await read_rate_limits(request.api_key.user, request.rate_limit_feature, request.api_key)
         for name, value in headers.items():
             response[name] = value
         return response
@@ -267,8 +284,8 @@ def with_rate_limits(view: View) -> View:
 
 # Off the one thread-sensitive thread: a quota query and a Redis read, beside the request's own work.
 @partial(database_sync_to_async, thread_sensitive=False)
-def read_rate_limits(user, feature_name: str | None) -> dict[str, str]:
-    return rate_limit_headers(user, feature_name)
+def read_rate_limits(user, feature_name: str | None, api_key=None) -> dict[str, str]:
+    return rate_limit_headers(user, feature_name, api_key)
 
 
 @csrf_exempt
@@ -288,7 +305,8 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
         chat = replace(chat, frame=replace(chat.frame, feature=feature))
     request.rate_limit_feature = chat.frame.feature
     stream = chat.stream and not await is_extract(chat.frame.feature)
-    events = run_chat(request.api_key.user, chat.frame)
+    # The key's own caps apply to this request as well as its user's (budgets/guard.py).
+    events = run_chat(request.api_key.user, replace(chat.frame, api_key=request.api_key))
     first = await anext(events, INTERNAL_ERROR)
     if first["type"] != "accepted":
         await events.aclose()

@@ -17,7 +17,7 @@ from django.urls import URLPattern, URLResolver, get_resolver
 
 from accounts.actions import do_create_api_key
 from accounts.models import ApiKey
-from budgets.models import AlertWebhook, Provider, TokenLog
+from budgets.models import AlertWebhook, Provider, Team, TokenLog
 from inference.models import BatchJob
 
 pytestmark = pytest.mark.django_db
@@ -30,6 +30,7 @@ LOGGED_IN = {
     r"^accounts/keys/$",
     r"^accounts/keys/<int:key_id>/revoke/$",
     r"^usage/$",
+    r"^usage/keys/<int:key_id>/caps/$",  # the key's owner (or staff); anyone else gets a 404
 }
 API_KEY = {r"^v1/chat/completions$", r"^v1/models$"}
 METRICS_TOKEN = {r"^metrics$"}
@@ -64,9 +65,10 @@ def objects(alice, staff, chat_feature):
     key, _ = do_create_api_key(alice, "notebook")
     row = alices_request(alice, chat_feature)
     hook = AlertWebhook.objects.create(provider=provider, url="http://127.0.0.1:9/hook", secret="s")
+    team = Team.objects.create(name="Support")
     return {
         "user_id": alice.pk, "feature_id": chat_feature.pk, "provider_id": provider.pk, "job_id": job.pk,
-        "key_id": key.pk, "request_id": row.request_id, "webhook_id": hook.pk,
+        "key_id": key.pk, "request_id": row.request_id, "webhook_id": hook.pk, "team_id": team.pk,
     }
 
 

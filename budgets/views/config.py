@@ -33,7 +33,7 @@ from ..forms import (
     describe_caps,
     known_models,
 )
-from ..models import AuditEntry, Feature, ModelPrice, Period, Provider, Quota, TokenLog
+from ..models import AuditEntry, Feature, ModelPrice, Period, Provider, Quota, TeamMembership, TokenLog
 from ..money import exact_usd, format_usd
 from ..permissions import staff_required
 from ..selfhosted import LocalCost
@@ -88,6 +88,13 @@ def users(request: HttpRequest) -> HttpResponse:
     return render(request, "budgets/users.html", {"page": page, "rows": rows, "search": search, "query": query})
 
 
+def _team_of(person):
+    try:
+        return person.team_membership.team
+    except TeamMembership.DoesNotExist:
+        return None
+
+
 def with_forecast(row: list[Gauge], projection) -> list[Gauge]:
     """The gauges with the cost cap's projection beside it (the last gauge is the cost)."""
     if projection is None:
@@ -97,7 +104,8 @@ def with_forecast(row: list[Gauge], projection) -> list[Gauge]:
 
 @staff_required
 def user_detail(request: HttpRequest, user_id: int) -> HttpResponse:
-    person = get_object_or_404(get_user_model(), pk=user_id)
+    # With the user's team, if any, in the same query (a reverse one-to-one).
+    person = get_object_or_404(get_user_model().objects.select_related("team_membership__team"), pk=user_id)
     features = list(Feature.objects.order_by("name"))
     quotas = list(Quota.objects.filter(Q(user=person) | Q(user__isnull=True)))
     forms = caps_forms(request.POST if request.method == "POST" else None, user=person, features=features, quotas=quotas)
@@ -115,7 +123,9 @@ def user_detail(request: HttpRequest, user_id: int) -> HttpResponse:
         caps, own = effective_caps(scoped, period)
         row = with_forecast(gauges(total[period], caps), projected.get((f"user:{person.get_username()}", period)))
         summary.append({"label": label, "own": own, "gauges": row})
-    context = {"person": person, "scopes": _scopes(forms), "summary": summary, "for_user": True}
+    context = {"person": person, "scopes": _scopes(forms), "summary": summary, "for_user": True,
+               "keys": person.api_keys.filter(revoked_at__isnull=True),
+               "team": _team_of(person)}
     return render(request, "budgets/user_detail.html", context)
 
 

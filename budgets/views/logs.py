@@ -99,7 +99,7 @@ def _keyset_page(
     """
     rows = rows.select_related("user", "feature", "requested_feature").only(
         "request_id", "created_at", "status", "refusal_code", "model", "prompt_tokens", "completion_tokens",
-        "cost_micro_usd", "ttft_ms", "total_ms", "user__username", "feature__name", "requested_feature__name",
+        "cost_micro_usd", "ttft_ms", "total_ms", "user__username", "feature__name", "requested_feature__name", "tags",
     )
     if after:
         # Going back towards the newest: read ascending from the cursor, then flip.

@@ -435,6 +435,8 @@ def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, max_t
         end_user=frame.params.end_user,
         fallback=fallback_for(feature, frame, len(prompt_ids)),
         retrieved=facts,
+        api_key=frame.api_key,
+        tags=frame.tags,
     )
     if decision.admitted:
         mark(request_id, "admitted")

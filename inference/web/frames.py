@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from django.conf import settings
+
+from budgets.tags import MAX_TAGS, TAG_RE, TAG_RULE
 
 from .params import DEFAULT, GenerationParams
 
@@ -30,6 +33,11 @@ class ChatFrame:
     loop_id: str | None = None
     # OpenAI's sampling and shaping parameters; only the HTTP API sets them (the chat page is greedy).
     params: GenerationParams = DEFAULT
+    # Up to MAX_TAGS names a tag's spend cap counts against and the token log filters by.
+    tags: tuple[str, ...] = ()
+    # Set by the HTTP API (the accounts.ApiKey the request came with, whose own caps apply), never
+    # read from a client's frame.
+    api_key: object | None = None
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,27 @@ def parse_chat(data: dict) -> ChatFrame:
         messages=_parse_messages(data.get("messages")),
         max_tokens=_parse_max_tokens(data.get("max_tokens", settings.CEILING_DEFAULT_MAX_TOKENS)),
         loop_id=loop_id,
+        tags=parse_tags(data.get("tags")),
     )
+
+
+def parse_tags(value) -> tuple[str, ...]:
+    """A list of at most MAX_TAGS tag names, each as TAG_RE says; repeats count once, order kept."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(tag, str) for tag in value):
+        raise FrameError("bad_tags", "\"tags\" must be a list of tag names, such as [\"support\", \"beta\"].")
+    tags = tuple(dict.fromkeys(value))
+    if len(tags) > MAX_TAGS:
+        raise FrameError("bad_tags", f"{len(tags)} tags is too many; a request may carry at most {MAX_TAGS}.")
+    for tag in tags:
+        if not re.match(TAG_RE, tag):
+            shown = tag[:40] if storable(tag) else "(not text)"
+            raise FrameError(
+                "bad_tags",
+                f"The tag {shown!r} is not a tag name: use {TAG_RULE}.",
+            )
+    return tags
 
 
 def _parse_messages(messages) -> list[dict]:

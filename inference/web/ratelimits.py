@@ -21,7 +21,7 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from budgets.counters import Usage
-from budgets.guard import Ceiling, applicable_ceilings, counter_store, ledger_sums
+from budgets.guard import Ceiling, applicable_ceilings, counter_store, ledger_sums, request_scopes
 from budgets.models import Feature, Provider, unique_row
 from budgets.periods import seconds_until_reset
 
@@ -37,10 +37,10 @@ class Window:
     reset_s: int
 
 
-def rate_limit_headers(user, feature_name: str | None) -> dict[str, str]:
+def rate_limit_headers(user, feature_name: str | None, api_key=None) -> dict[str, str]:
     """The six headers (or the trios that apply); never raises: a header is not worth a failed answer."""
     try:
-        windows = tightest_windows(user, feature_name)
+        windows = tightest_windows(user, feature_name, api_key)
     except (redis.RedisError, DatabaseError) as exc:
         log.warning("rate-limit headers left out: %s", exc)
         return {}
@@ -52,15 +52,17 @@ def rate_limit_headers(user, feature_name: str | None) -> dict[str, str]:
     return headers
 
 
-def tightest_windows(user, feature_name: str | None) -> dict[str, Window]:
+def tightest_windows(user, feature_name: str | None, api_key=None) -> dict[str, Window]:
     """metric → the window of the cap with the least left, for the metrics some cap limits."""
     now = timezone.now()
     feature = unique_row(Feature.objects.filter(name=feature_name)) if feature_name else None
     # An unsaved provider without a limit: spend limits have no header, and reading them must not
     # create the default provider row (Provider.default() would).
-    ceilings = applicable_ceilings(user, feature, Provider(monthly_limit_micro_usd=None), now)
+    # The user's team and the request's API key count too (a tag is per request, not per caller).
+    scopes = request_scopes(user, api_key)
+    ceilings = applicable_ceilings(user, feature, Provider(monthly_limit_micro_usd=None), now, None, scopes)
     if feature is None:  # no feature chosen (GET /v1/models, a bad body): the caps of every feature
-        ceilings = [c for c in ceilings if c.scope == "user"]
+        ceilings = [c for c in ceilings if c.scope in ("user", "team", "key")]
     best: dict[str, Window] = {}
     for ceiling in ceilings:
         if ceiling.period is None:

@@ -30,7 +30,8 @@ WATCH_CSP = "window.__csp = []; document.addEventListener('securitypolicyviolati
 def hostile(alice, staff, chat_feature):
     from django.contrib.auth.models import User
 
-    from budgets.models import AlertWebhook, Provider
+    from budgets.actions import do_create_team
+    from budgets.models import AlertWebhook, Provider, TeamQuota
 
     feature = Feature.objects.create(name=f"f{PAYLOAD}"[:64], description=PAYLOAD)
     user = User.objects.create_user(f"u{PAYLOAD}"[:150], password="hostile-password-1")
@@ -42,8 +43,10 @@ def hostile(alice, staff, chat_feature):
     provider = Provider.objects.create(name=f"p{PAYLOAD}"[:64])
     job = BatchJob.objects.create(feature=feature, user=user, total=0)
     webhook = AlertWebhook.objects.create(provider=provider, url=f"https://hooks.example/{PAYLOAD}"[:500], secret="s" * 32)
+    team, _ = do_create_team(None, f"t{PAYLOAD}"[:64], [user])
+    TeamQuota.objects.create(team=team, period="month", max_requests=100)
     return {"user_id": user.pk, "feature_id": feature.pk, "provider_id": provider.pk, "job_id": job.pk,
-            "webhook_id": webhook.pk}
+            "webhook_id": webhook.pk, "team_id": team.pk}
 
 
 def seed_cached_answer(alice, feature, prompt: str, max_tokens: int) -> None:
@@ -89,7 +92,8 @@ def test_every_staff_page_shows_hostile_names_as_text_and_keeps_the_policy(live_
         assert "script-src 'self'" in response.headers["content-security-policy"], url
         page.wait_for_load_state("networkidle")
         assert_shown_as_text(page, url)
-    for url, shown in [("/staff/users/", "u<img"), ("/staff/features/", "f<img"), ("/staff/logs/", "u<img")]:
+    for url, shown in [("/staff/users/", "u<img"), ("/staff/features/", "f<img"), ("/staff/logs/", "u<img"),
+                       ("/staff/teams/", "t<img")]:
         page.goto(f"{live_stack.http_url}{url}")
         assert shown in page.locator("main").inner_text(), url
     # Plotly draws under the policy (no 'unsafe-eval'): the charts page has real SVG plots.

@@ -1,0 +1,158 @@
+"""Teams and tags (staff only): each team's usage against its caps, its members, its caps; each tag's
+spend this month against its cap; every change audited.
+
+As the users pages: input through Forms, writes through budgets.actions (one AuditEntry per changed
+field, in the same transaction), usage from one aggregate query over the ledger rows that record
+the team (TokenLog.team: the team the request was admitted under, as the guard counted it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django import forms
+from django.contrib import messages
+from django.contrib.auth import get_user_model
+from django.core.paginator import Paginator
+from django.db import transaction
+from django.db.models import Count, Q, Sum
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+
+from ..actions import do_create_team, do_set_tag_quota, do_set_team, do_set_team_quota
+from ..forms import NOT_NEGATIVE, CapsForm, DollarsField, to_micro_usd
+from ..guard import SETTLED
+from ..models import Feature, Period, TagQuota, Team, TeamMembership, TeamQuota, TokenLog, tag_validator
+from ..periods import period_bounds
+from ..permissions import staff_required
+from ..tags import tags_text
+from ..usage import NO_USAGE, Gauge, caps_of, gauges, total_usage, usage_by
+from .config import flash_saved
+
+TEAMS_PER_PAGE = 50
+
+
+class TeamForm(forms.ModelForm):
+    class Meta:
+        model = Team
+        fields = ["name"]
+
+
+class MemberForm(forms.Form):
+    username = forms.CharField(max_length=150, label="Add a member")
+
+    def clean_username(self):
+        username = self.cleaned_data["username"].strip()
+        user = get_user_model().objects.filter(username=username).first()
+        if user is None:
+            raise forms.ValidationError(f"There is no user named “{username}”.")
+        return user
+
+
+@dataclass(frozen=True)
+class TeamRow:
+    team: Team
+    members: int
+    day: list[Gauge]
+    month: list[Gauge]
+
+
+@staff_required
+def teams(request: HttpRequest) -> HttpResponse:
+    form = TeamForm(request.POST if request.method == "POST" else None)
+    if form.is_bound and form.is_valid():
+        team, _ = do_create_team(request.user, form.cleaned_data["name"])
+        messages.success(request, f"Created the team {team.name}.")
+        return redirect("staff-team", team.pk)
+    page = Paginator(Team.objects.annotate(member_count=Count("memberships")).order_by("name"), TEAMS_PER_PAGE).get_page(
+        request.GET.get("page")
+    )
+    ids = [team.pk for team in page]
+    usage = usage_by(TokenLog.objects.filter(team_id__in=ids), "team_id", timezone.now())
+    quotas = {(q.team_id, q.period): q for q in TeamQuota.objects.filter(team_id__in=ids, feature__isnull=True)}
+    rows = [
+        TeamRow(
+            team, team.member_count,
+            *(gauges(usage.get(team.pk, NO_USAGE)[period], caps_of(quotas.get((team.pk, period))))
+              for period in (Period.DAY, Period.MONTH)),
+        )
+        for team in page
+    ]
+    return render(request, "budgets/teams.html", {"page": page, "rows": rows, "form": form})
+
+
+@staff_required
+def team_detail(request: HttpRequest, team_id: int) -> HttpResponse:
+    team = get_object_or_404(Team, pk=team_id)
+    features = list(Feature.objects.order_by("name"))
+    quotas = {(q.feature_id, q.period): q for q in TeamQuota.objects.filter(team=team)}
+    data = request.POST if request.method == "POST" and "save_caps" in request.POST else None
+    caps = [
+        CapsForm(data, prefix=f"{feature.pk if feature else 'all'}-{period}", feature=feature, period=period,
+                 current=quotas.get((feature.pk if feature else None, period)))
+        for feature in [None, *features]
+        for period in Period.values
+    ]
+    member_form = MemberForm(request.POST if request.method == "POST" and "add_member" in request.POST else None)
+    if data is not None:
+        if all([form.is_valid() for form in caps]):
+            with transaction.atomic():
+                changes = sum(
+                    len(do_set_team_quota(request.user, team=team, feature=form.feature, period=form.period,
+                                          caps=form.caps()))
+                    for form in caps if form.has_changed()
+                )
+            flash_saved(request, changes)
+            return redirect("staff-team", team.pk)
+        messages.error(request, "Nothing was saved: please correct the errors below.")
+    elif member_form.is_bound and member_form.is_valid():
+        person = member_form.cleaned_data["username"]
+        do_set_team(request.user, person, team)
+        messages.success(request, f"{person.get_username()} is now in {team.name} (and in no other team).")
+        return redirect("staff-team", team.pk)
+    elif request.method == "POST" and "remove_member" in request.POST:
+        membership = TeamMembership.objects.filter(team=team, user_id=request.POST.get("remove_member")).first()
+        if membership is not None:
+            do_set_team(request.user, membership.user, None)
+            messages.success(request, f"{membership.user.get_username()} is no longer in {team.name}.")
+        return redirect("staff-team", team.pk)
+    usage = usage_by(TokenLog.objects.filter(team=team), "feature_id", timezone.now())
+    total = total_usage(list(usage.values()))
+    summary = [
+        {"label": label, "gauges": gauges(total[period], caps_of(quotas.get((None, period))))}
+        for period, label in ((Period.DAY, "Today"), (Period.MONTH, "This month"))
+    ]
+    members = TeamMembership.objects.filter(team=team).select_related("user").order_by("user__username")
+    context = {
+        "team": team, "members": members, "member_form": member_form, "summary": summary,
+        "scopes": [("All features", caps[:2]), ("Per feature", caps[2:])], "for_user": False,
+    }
+    return render(request, "budgets/team_detail.html", context)
+
+
+# --- tags: a monthly spend cap per tag -------------------------------------------------------------
+
+
+class TagCapForm(forms.Form):
+    tag = forms.CharField(max_length=32, validators=[tag_validator])
+    max_cost_usd = DollarsField(label="Cost per month ($)", required=False, error_messages=NOT_NEGATIVE,
+                                help_text="Empty removes the tag's cap.")
+
+
+@staff_required
+def tags(request: HttpRequest) -> HttpResponse:
+    form = TagCapForm(request.POST if request.method == "POST" else None)
+    if form.is_bound and form.is_valid():
+        tag = form.cleaned_data["tag"]
+        flash_saved(request, len(do_set_tag_quota(request.user, tag, to_micro_usd(form.cleaned_data["max_cost_usd"]))))
+        return redirect("staff-tags")
+    quotas = list(TagQuota.objects.order_by("tag"))
+    now = timezone.now()
+    start, end = period_bounds(Period.MONTH, now)
+    # One aggregate for every capped tag: a conditional sum per tag over this month's settled rows.
+    sums = TokenLog.objects.filter(SETTLED, cache="", created_at__gte=start, created_at__lt=end).aggregate(**{
+        f"t{i}": Sum("cost_micro_usd", filter=Q(tags__contains=tags_text([q.tag]))) for i, q in enumerate(quotas)
+    }) if quotas else {}
+    rows = [(q, Gauge(sums.get(f"t{i}") or 0, q.max_cost_micro_usd, money=True)) for i, q in enumerate(quotas)]
+    return render(request, "budgets/tags.html", {"rows": rows, "form": form})
