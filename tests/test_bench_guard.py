@@ -11,7 +11,8 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection
 
-from budgets.models import Feature, ModelPrice, Provider, Quota, TokenLog
+from accounts.models import ApiKey
+from budgets.models import Feature, ModelPrice, Provider, Quota, TagQuota, Team, TeamQuota, TokenLog
 
 LEVEL_FIELDS = {
     "level", "n", "warmup", "p50_ms", "p99_ms", "mean_ms", "max_ms", "admissions_per_s",
@@ -26,7 +27,7 @@ def bench_keys(client) -> set[bytes]:
 
 
 def ledger_counts() -> dict[str, int]:
-    models = (User, Feature, Provider, ModelPrice, Quota, TokenLog)
+    models = (User, Feature, Provider, ModelPrice, Quota, TokenLog, Team, TeamQuota, ApiKey, TagQuota)
     return {model.__name__: model.objects.count() for model in models}
 
 
@@ -56,6 +57,33 @@ def test_it_writes_both_levels_as_json_with_positive_ordered_numbers(db, redis_d
 def test_it_leaves_no_rows_users_or_keys_behind(db, redis_db):
     keys, counts = bench_keys(redis_db), ledger_counts()
     call_command("bench_guard", "--n", "30", "--warmup", "5", stdout=StringIO())
+    assert bench_keys(redis_db) == keys
+    assert ledger_counts() == counts
+
+
+def test_all_five_scopes_are_admitted_counted_and_cleaned_up(db, redis_db, tmp_path):
+    """--scopes all: a team member's requests with a capped API key and a capped tag, every one
+    admitted through the team's, the key's and the tag's counters too, and nothing left behind."""
+    keys, counts = bench_keys(redis_db), ledger_counts()
+    seen_scopes = []
+    original = TokenLog.objects.get
+
+    def spy(*args, **kwargs):  # the settle path reads each row back: look at what it recorded
+        row = original(*args, **kwargs)
+        seen_scopes.append((row.team_id is not None, row.api_key_id is not None, row.tags))
+        return row
+
+    target = tmp_path / "scopes.json"
+    TokenLog.objects.get = spy
+    try:
+        call_command("bench_guard", "--level", "guard", "--scopes", "all", "--n", "20", "--warmup", "2",
+                     "--json", str(target), stdout=StringIO())
+    finally:
+        del TokenLog.objects.get
+    report = json.loads(target.read_text())
+    assert report["scopes"] == "all" and report["levels"]["guard"]["n"] == 20
+    assert len(seen_scopes) == 22
+    assert all(team and key and tags.startswith(",bench-") for team, key, tags in seen_scopes)
     assert bench_keys(redis_db) == keys
     assert ledger_counts() == counts
 

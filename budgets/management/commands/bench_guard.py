@@ -6,7 +6,9 @@ Two levels, each an admit followed by a settle, timed together:
   (user day, user month, provider month), under a private key prefix;
 * guard — budgets.guard.admit + the settle path a worker takes without inference (do_record_usage,
   then guard.settle): the Lua scripts plus the ledger's database writes, for a throwaway user,
-  feature and provider that are deleted afterwards.
+  feature and provider that are deleted afterwards. With `--scopes all` the user is in a capped
+  team and every request comes with a capped API key and a capped tag: five scopes (user, team,
+  key, tag, provider) checked in the one admission, what an organisation's request costs.
 
 Nothing is ever refused: the limits are far above what the run can use. Requests go one at a time,
 so admissions/s counts whole admit+settle cycles (two Redis round trips at the counters level).
@@ -31,14 +33,28 @@ from django.core.management.base import CommandError
 from django.db import connection, transaction
 from django.utils import timezone
 
+from accounts.actions import do_create_api_key
 from accounts.management.database import DatabaseCommand
+from accounts.models import ApiKey
 from budgets import guard
 from budgets.actions import Usage as LedgerUsage
 from budgets.actions import do_record_usage
 from budgets.counters import CounterSpec, CounterStore, Limits, Usage
-from budgets.models import Feature, ModelPrice, Period, Provider, Quota, TokenLog
+from budgets.models import (
+    Feature,
+    ModelPrice,
+    Period,
+    Provider,
+    Quota,
+    TagQuota,
+    Team,
+    TeamMembership,
+    TeamQuota,
+    TokenLog,
+)
 
 LEVELS = ("counters", "guard")
+SCOPES = ("user", "all")
 WARMUP = 200
 TARGET_P99_MS = 2.0
 TARGET_ADMISSIONS_PER_S = 3000
@@ -88,6 +104,10 @@ class Command(DatabaseCommand):
         parser.add_argument("--warmup", type=int, default=WARMUP, help=f"untimed admissions first (default {WARMUP})")
         parser.add_argument("--json", dest="json_path", help="also write the numbers to this file as JSON")
         parser.add_argument(
+            "--scopes", choices=SCOPES, default="user",
+            help="guard level: the user and the provider (default), or all five scopes: user, team, API key, tag, provider",
+        )
+        parser.add_argument(
             "--threads", type=int, default=1,
             help="admit+settle cycles in flight at once from this process (counters level; default 1)",
         )
@@ -105,16 +125,18 @@ class Command(DatabaseCommand):
     def handle(self, *args, n: int, level: str | None, warmup: int, json_path: str | None, threads: int = 1, **options) -> None:
         _check_arguments(n, warmup, threads)
         self.threads = threads
+        self.scopes = options.get("scopes", "user")
         target = _json_target(json_path)
         store = _reachable_store()
         results = [self.run_level(name, store, n, warmup) for name in ([level] if level else LEVELS)]
         if target is not None:
-            target.write_text(json.dumps({**_report(n, warmup, results), "threads": threads}, indent=2) + "\n")
+            report = {**_report(n, warmup, results), "threads": threads, "scopes": self.scopes}
+            target.write_text(json.dumps(report, indent=2) + "\n")
             self.stdout.write(f"wrote {target}")
 
     def run_level(self, level: str, store: CounterStore, n: int, warmup: int) -> LevelResult:
         run_id = uuid.uuid4().hex[:12]
-        context = counters_level(store, run_id) if level == "counters" else guard_level(run_id)
+        context = counters_level(store, run_id) if level == "counters" else guard_level(run_id, self.scopes == "all")
         try:
             with context as step:
                 # The guard level writes the database from the thread it runs on: keep it sequential.
@@ -174,9 +196,11 @@ def counters_level(store: CounterStore, run_id: str) -> Iterator[Step]:
 
 
 @contextmanager
-def guard_level(run_id: str) -> Iterator[Step]:
-    """The full guard with its ledger writes, for a throwaway user, feature and provider."""
+def guard_level(run_id: str, all_scopes: bool = False) -> Iterator[Step]:
+    """The full guard with its ledger writes, for a throwaway user, feature and provider (and, with
+    all_scopes, a team, an API key and a tag, each capped far above what the run spends)."""
     name = f"bench-{run_id}"
+    api_key, tags = None, ()
     with transaction.atomic():  # all or nothing, so a failed setup leaves no half-made cast behind
         user = get_user_model().objects.create_user(name)  # no password: nobody can log in as it
         provider = Provider.objects.create(name=name, monthly_limit_micro_usd=HUGE)
@@ -187,11 +211,13 @@ def guard_level(run_id: str) -> Iterator[Step]:
             provider=provider, model=MODEL, input_per_million_micro_usd=PRICE_IN,
             output_per_million_micro_usd=PRICE_OUT, effective_from=timezone.now() - timedelta(days=1),
         )
+        if all_scopes:
+            api_key, tags = _capped_team_key_and_tag(name, user)
 
     def step(i: int) -> None:
         request_id = f"{name}-{i}"
         decision = guard.admit(
-            guard.AdmissionRequest(request_id, user, feature, MODEL, PROMPT_TOKENS, MAX_TOKENS)
+            guard.AdmissionRequest(request_id, user, feature, MODEL, PROMPT_TOKENS, MAX_TOKENS, api_key=api_key, tags=tags)
         )
         _require_ok("ok" if decision.admitted else decision.code, request_id)
         # What a worker does when the answer ends, minus the model: record the usage, then settle.
@@ -205,18 +231,36 @@ def guard_level(run_id: str) -> Iterator[Step]:
         _delete_guard_run(name, user, feature, provider)
 
 
+def _capped_team_key_and_tag(name: str, user) -> tuple[object, tuple[str, ...]]:
+    """A team the user is in, an API key and a tag, each with caps that a run never reaches."""
+    team = Team.objects.create(name=name)
+    TeamMembership.objects.create(team=team, user=user)
+    for period in (Period.DAY, Period.MONTH):
+        TeamQuota.objects.create(team=team, period=period, max_requests=MAX_REQUESTS, max_tokens=HUGE,
+                                 max_cost_micro_usd=HUGE)
+    api_key, _ = do_create_api_key(user, name)
+    ApiKey.objects.filter(pk=api_key.pk).update(
+        max_requests_per_day=MAX_REQUESTS, max_cost_per_day_micro_usd=HUGE, max_cost_per_month_micro_usd=HUGE
+    )
+    api_key.refresh_from_db()
+    TagQuota.objects.create(tag=name, max_cost_micro_usd=HUGE)
+    return api_key, (name,)
+
+
 def _delete_guard_run(name: str, user, feature: Feature, provider: Provider) -> None:
     rows = TokenLog.objects.filter(request_id__startswith=f"{name}-")
     request_ids = list(rows.values_list("request_id", flat=True))
     counter_keys = {key for keys in rows.values_list("counter_keys", flat=True) for key in keys}
     store = guard.counter_store()
     markers = [m for rid in request_ids for m in (store.admitted_marker(rid), store.settled_marker(rid))]
-    # Counters first: they are keyed by this run's user and provider ids, so nothing real is lost.
+    # Counters first: they are keyed by this run's ids, so nothing real is lost.
     _delete_keys(store.client, sorted(counter_keys) + markers)
-    rows.delete()  # TokenLog protects its feature, provider and price
+    rows.delete()  # TokenLog protects its feature, provider, price, team and key
     feature.delete()
     provider.delete()  # and its price
-    user.delete()  # and its quotas
+    Team.objects.filter(name=name).delete()  # and its membership and caps
+    TagQuota.objects.filter(tag=name).delete()
+    user.delete()  # and its quotas and keys
 
 
 # --- timing -------------------------------------------------------------------------------------
