@@ -30,6 +30,8 @@ import pytest
 import redis
 from django.conf import settings
 
+from budgets.management.commands.seed_demo import ALICE_DAILY_CAPS, LOCAL_MONTHLY_LIMIT_MICRO_USD
+from budgets.money import format_usd
 from inference.engines import model_dir
 from project import stack
 from tests.conftest import engine_stats, stack_log_dir
@@ -187,8 +189,9 @@ def test_a_fresh_clone_shows_the_ceiling_the_spend_and_the_charts(first_run, pag
     # alice: what is left today, two short answers, then the refusal with its sentence and reset time.
     log_in(page, first_run, "alice", PASSWORD)
     allowance = page.locator("#allowance")
+    tokens = f"{ALICE_DAILY_CAPS['max_tokens']:,}"  # the demo's 20,000: set_quota changed only the requests
     assert allowance.inner_text().startswith(
-        f"Left today: {ALICE_REQUESTS_PER_DAY} of {ALICE_REQUESTS_PER_DAY} requests · 20,000 of 20,000 tokens · resets at 00:00")
+        f"Left today: {ALICE_REQUESTS_PER_DAY} of {ALICE_REQUESTS_PER_DAY} requests · {tokens} of {tokens} tokens · resets at 00:00")
     print(f"waited {wait_for_the_worker(first_run):.1f} s more for the worker's engine")
     page.fill("#max-tokens", "4")
     for n in range(1, ALICE_REQUESTS_PER_DAY + 1):
@@ -209,8 +212,9 @@ def test_a_fresh_clone_shows_the_ceiling_the_spend_and_the_charts(first_run, pag
     log_in(page, first_run, "staff", PASSWORD, landing="/staff/")
     local = page.locator("section.card", has_text="Spend this month").locator("tbody tr", has_text="local")
     spent = local.locator("td").nth(1).inner_text()
+    print(f"local spend this month: {spent}")
     assert Decimal(spent.removeprefix("$").replace(",", "")) > 0, spent
-    assert local.locator("td").nth(2).inner_text() == "$5.00"
+    assert local.locator("td").nth(2).inner_text() == format_usd(LOCAL_MONTHLY_LIMIT_MICRO_USD)
     for chart in ("spend-chart", "features-chart"):
         drawn = page.evaluate(f"({CHART_POINTS})('{chart}')")
         assert drawn["points"] > 0 and drawn["drawn"] > 0, (chart, drawn)
