@@ -21,7 +21,7 @@ migrate: install
 run: migrate
 	$(PY) manage.py seed_demo
 	$(PY) manage.py load_docs
-	$(PY) manage.py runstack
+	$(PY) manage.py runstack $(RUN_ARGS)
 
 # The suite runs against PostgreSQL and Redis on 127.0.0.1 (.ci/run starts them when absent).
 test: install
