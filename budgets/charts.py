@@ -157,6 +157,25 @@ def refusal_series(now: datetime, range_name: str) -> Series:
     return _pivot(rows, {"count": (lambda r: r["count"], 0)})["count"]
 
 
+def retrieval_latency_series(now: datetime, range_name: str) -> Series:
+    """Docs answers' mean time per bucket split as request_latency_parts splits one request:
+    retrieval, prefill (admission to first token) and decode (the rest), in ms. Only answered
+    requests that retrieved (retrieval_ms set) and were timed count."""
+    back, trunc, _ = RANGES[range_name]
+    rows = list(
+        TokenLog.objects.filter(SETTLED, created_at__gte=now - back, retrieval_ms__isnull=False,
+                                ttft_ms__isnull=False, total_ms__isnull=False)
+        .annotate(bucket=trunc("created_at", tzinfo=local_zone()))
+        .values("bucket")
+        .annotate(retrieval=Avg("retrieval_ms"), prefill=Avg("ttft_ms"), decode=Avg(F("total_ms") - F("ttft_ms")))
+        .order_by("bucket")
+    )
+    return Series(
+        [row["bucket"].isoformat() for row in rows],
+        {part: [round(max(0.0, float(row[part])), 1) for row in rows] for part in ("retrieval", "prefill", "decode")},
+    )
+
+
 def _pivot(rows, metrics: dict) -> dict[str, Series]:
     """Grouped rows (bucket, name, values) → one aligned Series per metric; gaps get the metric's fill."""
     rows = list(rows)

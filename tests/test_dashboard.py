@@ -105,3 +105,34 @@ def test_the_dashboard_socket_pushes_engine_stats(live_stack, staff):
     assert event and event["workers"]
     worker = event["workers"][0]
     assert worker["kv_blocks_total"] > 0 and "running" in worker and "tokens_per_s" in worker
+
+
+@pytest.mark.django_db
+def test_the_charts_split_docs_answers_into_retrieval_prefill_and_decode(staff, chat_feature):
+    """The latency budget of a docs answer, bucket by bucket: the means of the answered requests
+    that retrieved, split as one request's page splits it; refused and non-docs rows stay out."""
+    from django.utils import timezone
+
+    from budgets import charts
+    from budgets.models import TokenLog
+
+    now = timezone.now()
+
+    def row(status=TokenLog.Status.OK, **fields):
+        return TokenLog.objects.create(request_id=f"split-{TokenLog.objects.count()}", feature=chat_feature,
+                                       model="m", status=status, created_at=now, finished_at=now, **fields)
+
+    row(retrieval_ms=80, ttft_ms=300, total_ms=1300)
+    row(retrieval_ms=20, ttft_ms=500, total_ms=900)
+    row(ttft_ms=9000, total_ms=9999)  # no retrieval: a chat, not a docs answer
+    row(status=TokenLog.Status.REFUSED, retrieval_ms=5000)  # refused: never answered
+    series = charts.retrieval_latency_series(now, "24h")
+    assert len(series.x) == 1
+    assert series.traces == {"retrieval": [50.0], "prefill": [400.0], "decode": [700.0]}
+
+    client = Client()
+    client.force_login(staff)
+    page = client.get("/staff/charts/")
+    data = json.loads(page.content.decode().split('id="charts-data" type="application/json">')[1].split("</script>")[0])
+    assert data["retrieval_latency"]["traces"]["decode"] == [700.0]
+    assert b'id="retrieval-latency-chart"' in page.content

@@ -55,6 +55,7 @@ def charts_page(request: HttpRequest) -> HttpResponse:
         "bucket_s": int(charts.RANGES[range_name][2].total_seconds()),
         "series": {name: asdict(s) for name, s in series.items()},
         "refusals": asdict(charts.refusal_series(now, range_name)),
+        "retrieval_latency": asdict(charts.retrieval_latency_series(now, range_name)),
     }
     return render(request, "budgets/charts.html", {"charts_data": data, "range": range_name})
 

@@ -30,6 +30,9 @@
     config
   );
 
+  // The latency budget of a docs answer, stacked: where its time went, bucket by bucket.
+  Plotly.newPlot("retrieval-latency-chart", traces(data.retrieval_latency, { type: "bar" }), { ...layout, barmode: "stack" }, config);
+
   function bucketOf(isoTime) {
     const t = new Date(isoTime).getTime();
     return new Date(Math.floor(t / bucketMs) * bucketMs).toISOString();
