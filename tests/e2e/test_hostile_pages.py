@@ -46,7 +46,7 @@ def hostile(alice, staff, chat_feature):
     team, _ = do_create_team(None, f"t{PAYLOAD}"[:64], [user])
     TeamQuota.objects.create(team=team, period="month", max_requests=100)
     return {"user_id": user.pk, "feature_id": feature.pk, "provider_id": provider.pk, "job_id": job.pk,
-            "webhook_id": webhook.pk, "team_id": team.pk}
+            "webhook_id": webhook.pk, "team_id": team.pk, "request_id": f"seed-{user.pk}"}
 
 
 def seed_cached_answer(alice, feature, prompt: str, max_tokens: int) -> None:
@@ -82,7 +82,7 @@ def test_every_staff_page_shows_hostile_names_as_text_and_keeps_the_policy(live_
     page.add_init_script(WATCH_CSP)
     log_in(page, live_stack, "staff", "staff-password-1", landing="/staff/")
     pages = [
-        "/" + route.replace("<int:", "{").replace(">", "}").format(**hostile)
+        "/" + route.replace("<int:", "{").replace("<str:", "{").replace(">", "}").format(**hostile)
         for route in routes()
         if rule_of(route) == "staff"
     ]
