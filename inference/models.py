@@ -191,13 +191,29 @@ def _percent(part: int, whole: int) -> float:
 class Document(models.Model):
     """A Markdown or text file a docs feature answers from, cut into chunks with their embeddings.
 
-    `audience` says who may read it: a passage of a staff document never reaches an end user's
-    prompt, retrieved fresh or from the retrieval cache (inference/retrieval.py).
+    `audience` says who may read it: everyone, staff only, or one team's members ("team:<id>", see
+    team_audience); a passage never reaches the prompt of a user who may not read it, retrieved
+    fresh or from the retrieval cache (inference/retrieval.py). Staff read every document.
     """
 
     class Audience(models.TextChoices):
         EVERYONE = "everyone", "everyone"
         STAFF = "staff", "staff only"
+
+    TEAM_PREFIX = "team:"  # + a budgets.Team id: the team's members (and staff) only
+
+    @classmethod
+    def team_audience(cls, team_id: int) -> str:
+        return f"{cls.TEAM_PREFIX}{team_id}"
+
+    @property
+    def audience_label(self) -> str:
+        if self.audience.startswith(self.TEAM_PREFIX):
+            from budgets.models import Team
+
+            team = Team.objects.filter(pk=int(self.audience[len(self.TEAM_PREFIX):])).first()
+            return f"the team {team.name!r}" if team else "a team that no longer exists (staff only)"
+        return self.get_audience_display()
 
     feature = models.ForeignKey(Feature, on_delete=models.CASCADE, related_name="documents")
     name = models.CharField(max_length=200)  # the file's name, e.g. "budgets.md"

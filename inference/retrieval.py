@@ -190,12 +190,16 @@ def embed_passages(texts: list[str], batch_size: int = 32) -> list[bytes]:
 
 
 def audiences_for(user) -> tuple[str, ...]:
-    """The document audiences a user may read, sorted: staff read every document, others "everyone" ones."""
+    """The document audiences a user may read, sorted: staff read every document (every team's
+    too), others the "everyone" ones and, in a team, their team's."""
+    from budgets.models import Team, TeamMembership
     from inference.models import Document
 
     if getattr(user, "is_staff", False):
-        return tuple(sorted((Document.Audience.EVERYONE, Document.Audience.STAFF)))
-    return (Document.Audience.EVERYONE,)
+        teams = [Document.team_audience(pk) for pk in Team.objects.values_list("pk", flat=True)]
+        return tuple(sorted([Document.Audience.EVERYONE, Document.Audience.STAFF, *teams]))
+    team_id = TeamMembership.objects.filter(user_id=user.pk).values_list("team_id", flat=True).first()
+    return tuple(sorted([Document.Audience.EVERYONE, *([Document.team_audience(team_id)] if team_id else [])]))
 
 
 def normalise_query(text: str) -> str:
@@ -241,7 +245,10 @@ def _version_key(feature_id: int) -> str:
 
 def cache_key(feature_id: int, version: str, audiences: tuple[str, ...], k: int, query: str) -> str:
     digest = hashlib.sha256(normalise_query(query).encode()).hexdigest()
-    return f"{KEY_PREFIX}{feature_id}:v{version}:{'+'.join(audiences)}:k{k}:{digest}"
+    scope = "+".join(audiences)
+    if len(scope) > 64:  # staff read every team's documents: a long list, kept short in the key
+        scope = "h" + hashlib.sha256(scope.encode()).hexdigest()[:24]
+    return f"{KEY_PREFIX}{feature_id}:v{version}:{scope}:k{k}:{digest}"
 
 
 def _new_version() -> str:

@@ -8,6 +8,7 @@ Real PostgreSQL, Redis, embedding model and tokenizer; the chat goes through the
 from __future__ import annotations
 
 import asyncio
+import html
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,13 @@ Tomatoes need six hours of sun a day and water at the roots, never on the leaves
 SECRET_MD = """# Staff runbook
 
 The break-glass password for the billing console is kept in the red envelope in the server room safe.
+"""
+
+
+TEAM_MD = """# Billing runbook
+
+To reopen a closed invoice in the billing console, open the invoice, choose Reopen, and give the
+reason; the customer is emailed a corrected copy within the hour.
 """
 
 
@@ -190,6 +198,33 @@ def test_a_user_who_may_not_read_a_staff_document_misses_the_staffs_cached_searc
     assert "runbook.md" not in documents_of(alice_found)
     again = retrieve(corpus, alice, question)
     assert again.cache == "hit" and "runbook.md" not in documents_of(again)
+
+
+def test_a_team_document_reaches_its_members_and_staff_and_nobody_else_cached_or_not(corpus, staff, alice, bob):
+    from budgets.actions import do_create_team
+
+    team, _ = do_create_team(None, "Billing", [bob])
+    do_save_document(staff, corpus, "billing-runbook.md", TEAM_MD, Document.team_audience(team.pk))
+    question = "How do I reopen a closed invoice in the billing console?"
+
+    member = retrieve(corpus, bob, question)
+    assert member.chunks and member.chunks[0].document == "billing-runbook.md"
+    assert retrieve(corpus, staff, question).chunks[0].document == "billing-runbook.md"
+    for attempt in ("miss", "hit"):  # a user outside the team: not found fresh, not leaked by the members' cache entry
+        outsider = retrieve(corpus, alice, question)
+        assert outsider.cache == attempt and "billing-runbook.md" not in documents_of(outsider)
+    assert retrieve(corpus, bob, question).cache == "hit"
+
+
+def test_staff_upload_a_document_for_one_team(staff_client, docs_feature, bob):
+    from budgets.actions import do_create_team
+
+    team, _ = do_create_team(None, "Billing", [bob])
+    response = upload(staff_client, docs_feature, "billing.md", TEAM_MD.encode(), audience=Document.team_audience(team.pk))
+    assert "billing.md is loaded: 1 chunks, readable by the team 'Billing'." in html.unescape(response.content.decode())
+    assert Document.objects.get(name="billing.md").audience == f"team:{team.pk}"
+    refused = upload(staff_client, docs_feature, "other.md", TEAM_MD.encode(), audience="team:999999")
+    assert "Select a valid choice" in refused.content.decode() and not Document.objects.filter(name="other.md").exists()
 
 
 def test_a_cached_hit_is_filtered_again_when_a_document_becomes_staff_only(corpus, staff, alice):
@@ -393,3 +428,20 @@ def test_seed_demo_creates_the_docs_feature_once_and_load_docs_loads_files_once(
     (tmp_path / "slides.pdf").write_bytes(b"%PDF")
     with pytest.raises(CommandError, match="is not a Markdown or text file"):
         call_command("load_docs", str(tmp_path / "slides.pdf"), stdout=io.StringIO())
+
+
+def test_load_docs_restricts_files_to_a_team_by_name(docs_feature, bob, tmp_path):
+    import io
+
+    from django.core.management import CommandError, call_command
+
+    from budgets.actions import do_create_team
+
+    team, _ = do_create_team(None, "Billing", [bob])
+    with pytest.raises(CommandError, match="There is no team named 'Nobody'"):
+        call_command("load_docs", "--team", "Nobody", stdout=io.StringIO())
+    assert not Document.objects.exists()
+    runbook = tmp_path / "billing.md"
+    runbook.write_text(TEAM_MD)
+    call_command("load_docs", str(runbook), "--team", "Billing", stdout=io.StringIO())
+    assert list(Document.objects.values_list("name", "audience")) == [("billing.md", Document.team_audience(team.pk))]

@@ -120,7 +120,7 @@ def _save_document(request: HttpRequest, feature: Feature, form: DocumentUploadF
     name = Path(form.cleaned_data["file"].name).name
     document, changed = do_save_document(request.user, feature, name, form.cleaned_data["text"], form.cleaned_data["audience"])
     if changed:
-        messages.success(request, f"{name} is loaded: {document.chunks.count()} chunks, readable by {document.get_audience_display()}.")
+        messages.success(request, f"{name} is loaded: {document.chunks.count()} chunks, readable by {document.audience_label}.")
     else:
         messages.info(request, f"{name} was already loaded with this text and audience; nothing changed.")
     return redirect("staff-feature", feature.pk)

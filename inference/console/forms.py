@@ -101,8 +101,15 @@ class DocumentUploadForm(forms.Form):
     )
     audience = forms.ChoiceField(
         choices=Document.Audience.choices, initial=Document.Audience.EVERYONE,
-        help_text="Staff-only documents never reach an end user's prompt.",
+        help_text="Staff-only documents never reach an end user's prompt; a team's reach only its members' (and staff's).",
     )
+
+    def __init__(self, *args, **kwargs) -> None:
+        from budgets.models import Team
+
+        super().__init__(*args, **kwargs)
+        teams = [(Document.team_audience(pk), f"the team {name!r} only") for pk, name in Team.objects.values_list("pk", "name")]
+        self.fields["audience"].choices = [*Document.Audience.choices, *teams]
 
     def clean_file(self):
         upload = self.cleaned_data["file"]

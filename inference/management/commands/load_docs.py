@@ -1,4 +1,4 @@
-"""`manage.py load_docs [--feature docs] [--audience everyone|staff] [FILE ...]`: documents into a docs feature.
+"""`manage.py load_docs [--feature docs] [--audience everyone|staff | --team NAME] [FILE ...]`: documents into a docs feature.
 
 Without files it loads Ceiling's own documentation (docs/*.md), the demo corpus that `make run`
 loads after seed_demo. Idempotent: a file whose text has not changed is left as it is (no embedding
@@ -29,8 +29,16 @@ class Command(DatabaseCommand):
         parser.add_argument("files", nargs="*", help="Markdown or text files; none: docs/*.md of this checkout")
         parser.add_argument("--feature", default="docs", help="a feature whose mode is docs (default: docs)")
         parser.add_argument("--audience", default=Document.Audience.EVERYONE, choices=Document.Audience.values)
+        parser.add_argument("--team", help="readable by this team's members (and staff) only, instead of --audience")
 
-    def handle(self, *args, files: list[str], feature: str, audience: str, **options) -> None:
+    def handle(self, *args, files: list[str], feature: str, audience: str, team: str | None = None, **options) -> None:
+        if team is not None:
+            from budgets.models import Team
+
+            found = Team.objects.filter(name=team).first()
+            if found is None:
+                raise CommandError(f"There is no team named {team!r} (create_team makes one).")
+            audience = Document.team_audience(found.pk)
         target = Feature.objects.filter(name=feature).first()
         if target is None:
             raise CommandError(f"There is no feature named {feature!r} (seed_demo creates 'docs').")
