@@ -27,7 +27,7 @@ from django.db.models import Count, Sum
 from django.db.models.functions import TruncDate
 
 from .guard import SETTLED
-from .models import Period, Provider, Quota, TokenLog
+from .models import Period, Provider, Quota, TeamQuota, TokenLog
 from .money import format_usd
 from .periods import local_zone, period_bounds
 
@@ -43,7 +43,7 @@ MIN_EARLY = {Period.DAY: timedelta(hours=1), Period.MONTH: timedelta(days=1)}
 
 @dataclass(frozen=True)
 class CostCap:
-    """One cost cap on one scope: a provider's monthly limit, a user's (or a user's per-feature) cap."""
+    """One cost cap on one scope: a provider's monthly limit, a user's or a team's (or their per-feature) cap."""
 
     scope: str  # as Alert.scope spells it: "provider:local", "user:alice", "user:alice/feature:chat"
     period: str  # day | month
@@ -255,9 +255,25 @@ def user_caps(now: datetime, user_ids: list[int] | None = None) -> list[CostCap]
     return caps
 
 
+def team_caps(team_ids: list[int] | None = None) -> list[CostCap]:
+    """Every team's cost caps (the whole team's, and per feature), counted from the ledger rows that
+    recorded the team at admission, as the guard counts them. `team_ids` limits it (a page)."""
+    rows = TeamQuota.objects.select_related("team", "feature").filter(max_cost_micro_usd__gt=0)
+    if team_ids is not None:
+        rows = rows.filter(team_id__in=team_ids)
+    caps = []
+    for q in rows.order_by("team__name", "feature__name", "period"):
+        if q.feature is None:
+            caps.append(CostCap(f"team:{q.team.name}", q.period, q.max_cost_micro_usd, ("team_id",), (q.team_id,)))
+        else:
+            caps.append(CostCap(f"team:{q.team.name}/feature:{q.feature.name}", q.period, q.max_cost_micro_usd,
+                                ("team_id", "feature_id"), (q.team_id, q.feature_id)))
+    return caps
+
+
 def all_cost_caps(now: datetime) -> list[CostCap]:
     providers = list(Provider.objects.filter(monthly_limit_micro_usd__isnull=False).order_by("name"))
-    return provider_caps(providers) + user_caps(now)
+    return provider_caps(providers) + user_caps(now) + team_caps()
 
 
 def histories(caps: list[CostCap], now: datetime) -> dict[tuple, History]:

@@ -225,3 +225,35 @@ def test_one_worker_per_interval_checks_the_forecasts(redis_db, local_provider):
     assert check_spend_forecasts_once_per(60) is False  # another worker's reconciliation, same minute
     assert 0 < redis_db.ttl(FORECAST_LOCK_KEY) <= 59
     redis_db.delete(FORECAST_LOCK_KEY)
+
+
+def test_a_teams_cost_cap_is_forecast_alerted_and_shown_beside_it(staff, local_provider, alice, bob, chat_feature):
+    """The team's spend is what its members' ledger rows recorded as the team at admission: the same
+    arithmetic as the provider's, a projected alert naming the team, the forecast on its pages."""
+    from budgets.actions import do_create_team
+    from budgets.models import TeamQuota, TokenLog
+
+    team, _ = do_create_team(None, "Support", [alice, bob])
+    TeamQuota.objects.create(team=team, period=Period.MONTH, max_cost_micro_usd=50 * DOLLAR)
+    now = local(2031, 3, 10, 12)
+    daily(local_provider, alice, chat_feature, local(2031, 2, 8).date(), local(2031, 3, 9).date(), lambda d: 1)
+    daily(local_provider, bob, chat_feature, local(2031, 2, 8).date(), local(2031, 3, 9).date(), lambda d: 1)
+    spend(local_provider, bob, chat_feature, 1 * DOLLAR, at=local(2031, 3, 10, 6))
+    TokenLog.objects.update(team=team)
+    spend(local_provider, bob, chat_feature, 40 * DOLLAR, at=local(2031, 3, 9, 13))  # before bob joined: not the team's
+
+    projection = projection_of("team:Support", now)
+    # March so far: 9 days x ($1 + $1) + $1 = $19 of $50; $31 left at $2 a day: 15.5 days from now.
+    assert projection.spent_micro_usd == 19 * DOLLAR
+    assert abs((projection.exhausted_at - local(2031, 3, 26, 0)).total_seconds()) < 1
+
+    check_spend_forecasts(at=now)
+    alert = Alert.objects.get(kind=Alert.Kind.PROJECTED, scope="team:Support")
+    assert alert.period_key == "2031-03"
+
+    over = spend(local_provider, alice, chat_feature, 60 * DOLLAR)  # now: over the team's $50 this month
+    TokenLog.objects.filter(pk=over.pk).update(team=team)
+    client = Client()
+    client.force_login(staff)
+    for url in ("/staff/teams/", f"/staff/teams/{team.pk}/"):
+        assert '<span class="forecast small">spent</span>' in client.get(url).content.decode(), url

@@ -21,6 +21,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 
 from ..actions import do_create_team, do_set_tag_quota, do_set_team, do_set_team_quota
+from ..forecast import forecasts_by_scope, team_caps
 from ..forms import NOT_NEGATIVE, CapsForm, DollarsField, to_micro_usd
 from ..guard import SETTLED
 from ..models import Feature, Period, TagQuota, Team, TeamMembership, TeamQuota, TokenLog, tag_validator
@@ -28,7 +29,7 @@ from ..periods import period_bounds
 from ..permissions import staff_required
 from ..tags import tags_text
 from ..usage import NO_USAGE, Gauge, caps_of, gauges, total_usage, usage_by
-from .config import flash_saved
+from .config import flash_saved, with_forecast
 
 TEAMS_PER_PAGE = 50
 
@@ -71,10 +72,12 @@ def teams(request: HttpRequest) -> HttpResponse:
     ids = [team.pk for team in page]
     usage = usage_by(TokenLog.objects.filter(team_id__in=ids), "team_id", timezone.now())
     quotas = {(q.team_id, q.period): q for q in TeamQuota.objects.filter(team_id__in=ids, feature__isnull=True)}
+    projected = forecasts_by_scope(team_caps(team_ids=ids), timezone.now())
     rows = [
         TeamRow(
             team, team.member_count,
-            *(gauges(usage.get(team.pk, NO_USAGE)[period], caps_of(quotas.get((team.pk, period))))
+            *(with_forecast(gauges(usage.get(team.pk, NO_USAGE)[period], caps_of(quotas.get((team.pk, period)))),
+                            projected.get((f"team:{team.name}", period)))
               for period in (Period.DAY, Period.MONTH)),
         )
         for team in page
@@ -119,8 +122,10 @@ def team_detail(request: HttpRequest, team_id: int) -> HttpResponse:
         return redirect("staff-team", team.pk)
     usage = usage_by(TokenLog.objects.filter(team=team), "feature_id", timezone.now())
     total = total_usage(list(usage.values()))
+    projected = forecasts_by_scope(team_caps(team_ids=[team.pk]), timezone.now())
     summary = [
-        {"label": label, "gauges": gauges(total[period], caps_of(quotas.get((None, period))))}
+        {"label": label, "gauges": with_forecast(gauges(total[period], caps_of(quotas.get((None, period)))),
+                                                 projected.get((f"team:{team.name}", period)))}
         for period, label in ((Period.DAY, "Today"), (Period.MONTH, "This month"))
     ]
     members = TeamMembership.objects.filter(team=team).select_related("user").order_by("user__username")
