@@ -15,6 +15,7 @@ from django.db.models.functions import TruncDay, TruncMinute
 from .costmodel import latency_shares
 from .models import Alert, Provider, TokenLog
 from .periods import local_zone, period_bounds, period_key
+from .tags import tags_text
 
 SETTLED = ~Q(status__in=[TokenLog.Status.RUNNING, TokenLog.Status.REFUSED])
 TOKENS = F("prompt_tokens") + F("completion_tokens")
@@ -126,11 +127,16 @@ class Series:
     traces: dict[str, list[float]]
 
 
-def feature_series(now: datetime, range_name: str) -> dict[str, Series]:
+def _tagged(tag: str | None):
+    """The ledger, or only the rows that carried `tag` (charts grouped by tag, as the token log filters)."""
+    return TokenLog.objects.filter(tags__contains=tags_text([tag])) if tag else TokenLog.objects.all()
+
+
+def feature_series(now: datetime, range_name: str, tag: str | None = None) -> dict[str, Series]:
     """tokens, cost (µ$), mean TTFT and total ms per feature and bucket, from one GROUP BY."""
     back, trunc, _ = RANGES[range_name]
     rows = (
-        TokenLog.objects.filter(SETTLED, created_at__gte=now - back)
+        _tagged(tag).filter(SETTLED, created_at__gte=now - back)
         .annotate(bucket=trunc("created_at", tzinfo=local_zone()))
         .values("bucket", name=F("feature__name"))
         .annotate(tokens=Sum(TOKENS), cost=Sum("cost_micro_usd"), ttft=Sum("ttft_ms"), total=Sum("total_ms"),
@@ -145,10 +151,10 @@ def feature_series(now: datetime, range_name: str) -> dict[str, Series]:
     })
 
 
-def refusal_series(now: datetime, range_name: str) -> Series:
+def refusal_series(now: datetime, range_name: str, tag: str | None = None) -> Series:
     back, trunc, _ = RANGES[range_name]
     rows = (
-        TokenLog.objects.filter(status=TokenLog.Status.REFUSED, created_at__gte=now - back)
+        _tagged(tag).filter(status=TokenLog.Status.REFUSED, created_at__gte=now - back)
         .annotate(bucket=trunc("created_at", tzinfo=local_zone()))
         .values("bucket", name=F("refusal_code"))
         .annotate(count=Count("id"))
@@ -157,13 +163,13 @@ def refusal_series(now: datetime, range_name: str) -> Series:
     return _pivot(rows, {"count": (lambda r: r["count"], 0)})["count"]
 
 
-def retrieval_latency_series(now: datetime, range_name: str) -> Series:
+def retrieval_latency_series(now: datetime, range_name: str, tag: str | None = None) -> Series:
     """Docs answers' mean time per bucket split as request_latency_parts splits one request:
     retrieval, prefill (admission to first token) and decode (the rest), in ms. Only answered
     requests that retrieved (retrieval_ms set) and were timed count."""
     back, trunc, _ = RANGES[range_name]
     rows = list(
-        TokenLog.objects.filter(SETTLED, created_at__gte=now - back, retrieval_ms__isnull=False,
+        _tagged(tag).filter(SETTLED, created_at__gte=now - back, retrieval_ms__isnull=False,
                                 ttft_ms__isnull=False, total_ms__isnull=False)
         .annotate(bucket=trunc("created_at", tzinfo=local_zone()))
         .values("bucket")

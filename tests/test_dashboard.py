@@ -136,3 +136,28 @@ def test_the_charts_split_docs_answers_into_retrieval_prefill_and_decode(staff, 
     data = json.loads(page.content.decode().split('id="charts-data" type="application/json">')[1].split("</script>")[0])
     assert data["retrieval_latency"]["traces"]["decode"] == [700.0]
     assert b'id="retrieval-latency-chart"' in page.content
+
+
+@pytest.mark.django_db
+def test_the_charts_can_show_only_one_tags_requests(staff, chat_feature):
+    from django.utils import timezone
+
+    from budgets.models import TokenLog
+
+    now = timezone.now()
+    for index, (tags, tokens) in enumerate([(",support,", 10), (",support,beta,", 5), (",beta,", 1000), ("", 7)]):
+        TokenLog.objects.create(request_id=f"tagged-{index}", feature=chat_feature, model="m", status=TokenLog.Status.OK,
+                                tags=tags, prompt_tokens=tokens, created_at=now, finished_at=now)
+    client = Client()
+    client.force_login(staff)
+
+    def tokens_shown(query: str) -> float:
+        page = client.get(f"/staff/charts/{query}").content.decode()
+        data = json.loads(page.split('id="charts-data" type="application/json">')[1].split("</script>")[0])
+        return sum(sum(y) for y in data["series"]["tokens"]["traces"].values())
+
+    assert tokens_shown("") == 1022
+    assert tokens_shown("?tag=support") == 15
+    assert tokens_shown("?tag=beta&range=30d") == 1005
+    bad = client.get("/staff/charts/?tag=Not%20A%20Tag").content.decode()
+    assert "is not a tag" in bad and tokens_shown("?tag=Not%20A%20Tag") == 1022

@@ -3,6 +3,7 @@ the page's JS then folds in one point per settled request pushed over /ws/dashbo
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict
 
 from django.http import HttpRequest, HttpResponse
@@ -12,6 +13,7 @@ from django.utils import timezone
 from .. import charts
 from ..money import format_usd
 from ..permissions import staff_required
+from ..tags import TAG_RE, TAG_RULE
 
 
 @staff_required
@@ -46,17 +48,22 @@ def charts_page(request: HttpRequest) -> HttpResponse:
     range_name = request.GET.get("range", "24h")
     if range_name not in charts.RANGES:
         range_name = "24h"
+    tag = request.GET.get("tag", "").strip()
+    tag_error = "" if not tag or re.match(TAG_RE, tag) else f"{tag[:40]!r} is not a tag: a tag is {TAG_RULE}."
+    tag = tag if not tag_error else ""
     now = timezone.now()
-    series = charts.feature_series(now, range_name)
+    series = charts.feature_series(now, range_name, tag)
     back = charts.RANGES[range_name][0]
     data = {
         "range": range_name,
+        "tag": tag,  # the live feed carries no tags: a tagged view is redrawn on reload only
         "x_range": [(now - back).isoformat(), now.isoformat()],
         "bucket_s": int(charts.RANGES[range_name][2].total_seconds()),
         "series": {name: asdict(s) for name, s in series.items()},
-        "refusals": asdict(charts.refusal_series(now, range_name)),
-        "retrieval_latency": asdict(charts.retrieval_latency_series(now, range_name)),
+        "refusals": asdict(charts.refusal_series(now, range_name, tag)),
+        "retrieval_latency": asdict(charts.retrieval_latency_series(now, range_name, tag)),
     }
-    return render(request, "budgets/charts.html", {"charts_data": data, "range": range_name})
+    return render(request, "budgets/charts.html",
+                  {"charts_data": data, "range": range_name, "tag": tag, "tag_error": tag_error})
 
 

@@ -59,6 +59,7 @@
 
   window.CeilingLive({
     onPoint(point) {
+      if (data.tag) return; // the live feed carries no tags: a tagged view would gain untagged points
       const bucket = bucketOf(point.at);
       if (point.status === "refused") {
         addTo("refusals-chart", point.refusal_code || "refused", bucket, 1, { type: "bar" });
