@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import re
+import threading
 import time
 import unicodedata
 import uuid
@@ -267,14 +268,22 @@ def current_version(client: redis.Redis, feature_id: int) -> str:
     return version.decode() if isinstance(version, bytes) else str(version)
 
 
+_unreachable_said = threading.Event()
+
+
 def bump_version(feature_id: int) -> None:
     """A document of the feature changed: every cached search of it is stale from now on."""
     try:
         _client().set(_version_key(feature_id), _new_version())
     except (redis.RedisError, OSError) as exc:
         # Entries written before still expire within CACHE_TTL_S; the hit path also re-reads the
-        # chunks, so a deleted passage is never served, only a changed ranking could be.
-        log.warning("retrieval cache: could not bump the version of feature %s: %s", feature_id, exc)
+        # chunks, so a deleted passage is never served, only a changed ranking could be. Said once
+        # per process: `make run` loads the docs before it starts its private Redis, and fifteen
+        # identical warnings on a first start read as fifteen failures.
+        level = logging.DEBUG if _unreachable_said.is_set() else logging.WARNING
+        _unreachable_said.set()
+        log.log(level, "retrieval cache: could not bump the version of feature %s (%s); cached searches "
+                "expire within %s s anyway", feature_id, exc, CACHE_TTL_S)
 
 
 def retrieve(feature, user, query: str, k: int = TOP_K) -> Retrieval:

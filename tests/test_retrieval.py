@@ -445,3 +445,18 @@ def test_load_docs_restricts_files_to_a_team_by_name(docs_feature, bob, tmp_path
     runbook.write_text(TEAM_MD)
     call_command("load_docs", str(runbook), "--team", "Billing", stdout=io.StringIO())
     assert list(Document.objects.values_list("name", "audience")) == [("billing.md", Document.team_audience(team.pk))]
+
+
+def test_a_redis_that_does_not_answer_is_said_once_when_documents_change(docs_feature, staff, settings, caplog):
+    """`make run` loads the docs before its private Redis starts: one warning, not one per file."""
+    import logging
+
+    from inference import retrieval
+
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
+    retrieval._unreachable_said.clear()
+    with caplog.at_level(logging.DEBUG, logger="inference.retrieval"):
+        for _ in range(3):  # three documents loaded
+            retrieval.bump_version(docs_feature.pk)
+    said = [r for r in caplog.records if "could not bump the version" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
