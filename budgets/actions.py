@@ -367,26 +367,36 @@ def do_set_quota(
     if user is None and caps is not None and all(value is None for value in caps.values()):
         caps = None
     with transaction.atomic():
-        # Locked so that `before` is what this change really replaced.
-        quota = Quota.objects.select_for_update().filter(user=user, feature=feature, period=period).first()
-        before = {name: getattr(quota, name) if quota else absent for name in QUOTA_FIELDS}
-        after = {name: caps[name] if caps is not None else absent for name in QUOTA_FIELDS}
-        changed = [name for name in QUOTA_FIELDS if before[name] != after[name]]
-        if caps is None:
-            action = "delete"
-            if quota is not None:
-                quota.delete()
-        elif quota is None:
-            action = "create"
-            Quota.objects.create(user=user, feature=feature, period=period, **caps)
-        else:
-            action = "update"
-            for name in changed:
-                setattr(quota, name, caps[name])
-            if changed:
-                quota.save(update_fields=changed)
-        changes = {name: (audit_text(name, before[name]), audit_text(name, after[name])) for name in changed}
-        return _record(actor, action, quota_target(user, feature, period), changes)
+        return _replace_caps_row(
+            actor, Quota.objects.filter(user=user, feature=feature, period=period),
+            lambda **row: Quota.objects.create(user=user, feature=feature, period=period, **row),
+            caps, absent, quota_target(user, feature, period),
+        )
+
+
+def _replace_caps_row(actor, rows, create, caps: dict[str, int | None] | None, absent, target: str) -> list[AuditEntry]:
+    """One scope's caps row (a user's or a team's): replaced by `caps`, deleted by None, and each
+    field that changed audited. Call inside a transaction: the row is locked so that `before` is what
+    this change really replaced. `absent` is how a missing row reads in the trail."""
+    quota = rows.select_for_update().first()
+    before = {name: getattr(quota, name) if quota else absent for name in QUOTA_FIELDS}
+    after = {name: caps[name] if caps is not None else absent for name in QUOTA_FIELDS}
+    changed = [name for name in QUOTA_FIELDS if before[name] != after[name]]
+    if caps is None:
+        action = "delete"
+        if quota is not None:
+            quota.delete()
+    elif quota is None:
+        action = "create"
+        create(**caps)
+    else:
+        action = "update"
+        for name in changed:
+            setattr(quota, name, caps[name])
+        if changed:
+            quota.save(update_fields=changed)
+    changes = {name: (audit_text(name, before[name]), audit_text(name, after[name])) for name in changed}
+    return _record(actor, action, target, changes)
 
 
 # --- teams, API keys and tags: the scopes beyond one user ------------------------------------------
@@ -436,25 +446,11 @@ def do_set_team_quota(
     if caps is not None and all(value is None for value in caps.values()):
         caps = None
     with transaction.atomic():
-        quota = TeamQuota.objects.select_for_update().filter(team=team, feature=feature, period=period).first()
-        before = {name: getattr(quota, name) if quota else None for name in QUOTA_FIELDS}
-        after = {name: caps[name] if caps is not None else None for name in QUOTA_FIELDS}
-        changed = [name for name in QUOTA_FIELDS if before[name] != after[name]]
-        if caps is None:
-            action = "delete"
-            if quota is not None:
-                quota.delete()
-        elif quota is None:
-            action = "create"
-            TeamQuota.objects.create(team=team, feature=feature, period=period, **caps)
-        else:
-            action = "update"
-            for name in changed:
-                setattr(quota, name, caps[name])
-            if changed:
-                quota.save(update_fields=changed)
-        changes = {name: (audit_text(name, before[name]), audit_text(name, after[name])) for name in changed}
-        return _record(actor, action, team_quota_target(team, feature, period), changes)
+        return _replace_caps_row(
+            actor, TeamQuota.objects.filter(team=team, feature=feature, period=period),
+            lambda **row: TeamQuota.objects.create(team=team, feature=feature, period=period, **row),
+            caps, None, team_quota_target(team, feature, period),
+        )
 
 
 def do_set_key_caps(actor: AbstractBaseUser | None, key, caps: dict[str, int | None]) -> list[AuditEntry]:

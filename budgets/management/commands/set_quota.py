@@ -72,12 +72,10 @@ class Command(DatabaseCommand):
         if all(v is None for v in values.values()):
             raise CommandError("Give at least one of --requests, --tokens, --cost-usd (or --clear).")
         with transaction.atomic():
-            # A flag left out keeps the scope's current cap (do_set_quota replaces all three).
-            current = Quota.objects.select_for_update().filter(**scope).first()
-            caps = {name: getattr(current, name) if current else None for name in QUOTA_FIELDS}
-            caps |= {name: value for name, value in values.items() if value is not None}
-            do_set_quota(COMMAND_LINE_ACTOR, caps=caps, **scope)
-        quota = Quota.objects.select_related("user", "feature").get(**scope)
+            do_set_quota(COMMAND_LINE_ACTOR, caps=_kept_and_given(Quota, scope, values), **scope)
+        self._report(Quota.objects.select_related("user", "feature").get(**scope))
+
+    def _report(self, quota) -> None:
         self.stdout.write(self.style.SUCCESS(f"{quota}: requests={quota.max_requests} tokens={quota.max_tokens} "
                                              f"cost_micro_usd={quota.max_cost_micro_usd}"))
 
@@ -93,13 +91,8 @@ class Command(DatabaseCommand):
             return
         values = _values(requests, tokens, cost_usd)
         with transaction.atomic():
-            current = TeamQuota.objects.select_for_update().filter(**scope).first()
-            caps = {name: getattr(current, name) if current else None for name in QUOTA_FIELDS}
-            caps |= {name: value for name, value in values.items() if value is not None}
-            do_set_team_quota(COMMAND_LINE_ACTOR, caps=caps, **scope)
-        quota = TeamQuota.objects.select_related("team", "feature").get(**scope)
-        self.stdout.write(self.style.SUCCESS(f"{quota}: requests={quota.max_requests} tokens={quota.max_tokens} "
-                                             f"cost_micro_usd={quota.max_cost_micro_usd}"))
+            do_set_team_quota(COMMAND_LINE_ACTOR, caps=_kept_and_given(TeamQuota, scope, values), **scope)
+        self._report(TeamQuota.objects.select_related("team", "feature").get(**scope))
 
     def _api_key(self, key_id, period, requests, tokens, cost_usd, feature, clear) -> None:
         key = ApiKey.objects.select_related("user").filter(pk=key_id).first()
@@ -183,3 +176,11 @@ def _micro_usd(raw: str | None) -> int | None:
         raise CommandError(f"--cost-usd: {exc}") from None
     except ValueError:
         raise CommandError(f"--cost-usd {raw!r} is not an amount in dollars.") from None
+
+
+def _kept_and_given(model, scope: dict, values: dict) -> dict:
+    """The scope's caps after this command: a flag left out keeps the current cap (the do_* action
+    replaces all three). Call inside a transaction: the row is locked until the action has run."""
+    current = model.objects.select_for_update().filter(**scope).first()
+    caps = {name: getattr(current, name) if current else None for name in QUOTA_FIELDS}
+    return caps | {name: value for name, value in values.items() if value is not None}
