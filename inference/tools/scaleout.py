@@ -14,7 +14,8 @@ the team meets its own. During the run it SIGKILLs one web process, then one wor
 --kill naming it, one Redis Cluster master of CEILING_COUNTERS_URL when that is a cluster).
 
 The report (JSON) says what a person running this at scale must know:
-- admissions per second (ledger rows admitted ÷ the span of their admission times);
+- admissions per second (ledger rows admitted ÷ the span of their admission times), and the guard's
+  decisions per second (every row, admitted or refused, ÷ the span of all rows);
 - TTFT p50/p99 through Ceiling, the same burst's TTFT straight to the stub, and the difference;
 - overshoot: requests admitted beyond any user's or the team's cap (must be 0);
 - rows lost: answers a client received with no ledger row, and rows never settled (must be 0);
@@ -395,6 +396,9 @@ def verdict(plan: ScalePlan, cast: Cast, outcomes: list[Outcome]) -> dict:
     overshoot_team = max(0, team_admitted - plan.team_cap)
     span = admitted.aggregate(first=Min("created_at"), last=Max("created_at"))
     seconds = (span["last"] - span["first"]).total_seconds() if span["first"] else 0.0
+    # Every request the guard decided on (admitted or refused by a cap), over the span of all rows.
+    whole = rows.aggregate(first=Min("created_at"), last=Max("created_at"))
+    decided_s = (whole["last"] - whole["first"]).total_seconds() if whole["first"] else 0.0
     known = set(rows.values_list("request_id", flat=True))
     answered = [o for o in outcomes if o.tokens > 0]
     lost = [o.request_id or f"#{o.index}" for o in answered if o.request_id not in known]
@@ -402,6 +406,7 @@ def verdict(plan: ScalePlan, cast: Cast, outcomes: list[Outcome]) -> dict:
         "admitted": admitted.count(),
         "admissions_per_s": round(admitted.count() / seconds, 1) if seconds > 0 else None,
         "admission_span_s": round(seconds, 2),
+        "guard_decisions_per_s": round(rows.count() / decided_s, 1) if decided_s > 0 else None,
         "ledger_rows": rows.count(),
         "rows_by_status": dict(Counter(rows.values_list("status", flat=True))),
         "team_admitted": team_admitted,
