@@ -7,6 +7,7 @@
     cluster.restart(port)      # it rejoins, as a replica
     cluster.stop()
 
+By hand, for a benchmark: `python -m tests.redis_cluster 7100` (Ctrl-C stops it).
 Nodes save nothing (--save '' --appendonly no): a killed master's data lives only in its replica.
 """
 
@@ -101,6 +102,17 @@ class LocalCluster:
         finally:
             client.close()
 
+    def replica_of(self, master_port: int) -> int:
+        return int(redis.Redis(port=master_port, socket_timeout=1).info("replication")["slave0"]["port"])
+
+    def hand_over(self, master_port: int) -> int:
+        """A planned failover (CLUSTER FAILOVER on the replica, which first catches up): the old
+        master becomes its replica and answers MOVED for its former slots. The new master's port."""
+        replica = self.replica_of(master_port)
+        redis.Redis(port=replica, socket_timeout=5).cluster("failover")
+        _wait_until(lambda: _role(replica) == "master" and self._healthy(), f"node {replica} to take over", 30)
+        return replica
+
     def kill(self, port: int) -> None:
         self.processes[port].send_signal(signal.SIGKILL)
         self.processes[port].wait(10)
@@ -155,3 +167,23 @@ def _wait_until(condition, what: str, timeout_s: float = 15) -> None:
             pass
         time.sleep(0.1)
     raise TimeoutError(f"gave up waiting for {what}")
+
+
+def main() -> None:
+    """`python -m tests.redis_cluster [BASE_PORT]`: a cluster for a benchmark by hand, until Ctrl-C."""
+    import sys
+
+    cluster = LocalCluster(int(sys.argv[1]) if len(sys.argv) > 1 else 7100)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # kill PID stops the nodes too
+    cluster.start()
+    print(f"CEILING_COUNTERS_URL={cluster.url}  (masters {cluster.masters()}; Ctrl-C stops it)", flush=True)
+    try:
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -166,7 +166,9 @@ class Command(DatabaseCommand):
 @contextmanager
 def counters_level(store: CounterStore, run_id: str) -> Iterator[Step]:
     """The Lua scripts alone, on counters under ceiling:bench:<run_id>: so real counters are never touched."""
-    bench = CounterStore(store.client, prefix=f"ceiling:bench:{run_id}")
+    # Under the store's own prefix ({ceiling} on a Redis Cluster: the bench's keys share the counters' slot).
+    bench = CounterStore(store.client, prefix=f"{store.prefix}:bench:{run_id}", wait_replicas=store.wait_replicas,
+                         wait_timeout_ms=store.wait_timeout_ms)
     specs = [
         CounterSpec(f"{bench.prefix}:user:day", Limits(requests=HUGE, tokens=HUGE), BENCH_TTL_S),
         CounterSpec(f"{bench.prefix}:user:month", Limits(requests=HUGE, tokens=HUGE), BENCH_TTL_S),
