@@ -286,12 +286,15 @@ class CounterStore:
     def _run(self, script, keys: list[str], args: list, *, replicated: bool):
         """Run one script; with replicated and wait_replicas, in the same round trip WAIT until that
         many replicas hold its writes. (reply, replicas that acknowledged; None when not asked)."""
+        # Straight to the server that holds the slot (all the keys share it): the cluster client
+        # would hash every key of the call again to find what the first one says.
+        node = node_client(self.client, keys[0])
         if not (replicated and self.wait_replicas):
-            return self._routed(lambda: script(keys=keys, args=args)), None
-        # WAIT counts the writes of its own connection: the script and WAIT go down one pipeline to
-        # the server that holds the slot.
+            return self._routed(lambda: script(keys=keys, args=args, client=node)), None
+
         def script_then_wait():
-            with node_client(self.client, keys[0]).pipeline(transaction=False) as pipe:
+            # WAIT counts the writes of its own connection: the script and WAIT share one pipeline.
+            with node.pipeline(transaction=False) as pipe:
                 script(keys=keys, args=args, client=pipe)
                 pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
                 return pipe.execute()

@@ -5,7 +5,7 @@
 
 The guard's counters, the answer caches and the stream inboxes use CEILING_COUNTERS_URL, which may
 name a cluster; Celery's broker and the channel layer stay on REDIS_URL, one server (docs/scaling.md).
-URLs are checked in project/settings.py.
+URLs are checked in project/settings.py; only counters_url() reads Django's settings.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from urllib.parse import urlparse
 
 import redis
 import redis.asyncio as aioredis
-from django.conf import settings
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
@@ -31,6 +30,9 @@ def is_cluster_url(url: str) -> bool:
 def counters_url() -> str:
     """CEILING_COUNTERS_URL, else REDIS_URL; read at each call, so a test that points REDIS_URL
     elsewhere moves the counters, caches and inboxes with it."""
+    # Imported here: the rest of this module (which counters.py uses) knows nothing about Django.
+    from django.conf import settings
+
     return settings.CEILING_COUNTERS_URL or settings.REDIS_URL
 
 

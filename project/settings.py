@@ -399,6 +399,13 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CEILING_BROKER_VISIBILI
 # --- The budget guard ---------------------------------------------------------------------------
 # Redis round trips of the guard give up after this long: refusing fast beats hanging (fail closed).
 CEILING_GUARD_TIMEOUT_S = envfloat("CEILING_GUARD_TIMEOUT_S", 0.1, minimum=0.01)
+if CEILING_COUNTERS_WAIT_REPLICAS and CEILING_COUNTERS_WAIT_MS >= CEILING_GUARD_TIMEOUT_S * 1000:
+    # The admission's reply comes after the WAIT: a socket that gives up first would refuse every
+    # request whose replica is slow, without releasing its reservation at once.
+    raise ImproperlyConfigured(
+        f"CEILING_COUNTERS_WAIT_MS={CEILING_COUNTERS_WAIT_MS} must be below CEILING_GUARD_TIMEOUT_S "
+        f"({CEILING_GUARD_TIMEOUT_S * 1000:g} ms)"
+    )
 # A request still "running" this long after admission was lost (worker crash): reconciliation
 # marks it failed and releases its reservation.
 CEILING_RESERVATION_TTL_S = envint("CEILING_RESERVATION_TTL_S", 600, minimum=60)

@@ -130,6 +130,18 @@ def test_redis_url_refuses_a_cluster_because_celery_and_channels_need_one_server
         check_redis_url("redis+cluster://10.0.0.5:7000/0")
 
 
+def test_a_replica_wait_longer_than_the_guards_socket_timeout_stops_start_up():
+    from pathlib import Path
+
+    result = subprocess.run(
+        [sys.executable, "-c", "import project.settings"],
+        env={"CEILING_COUNTERS_URL": "redis+cluster://127.0.0.1:7100/0", "CEILING_COUNTERS_WAIT_MS": "100",
+             "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert result.returncode != 0 and "must be below CEILING_GUARD_TIMEOUT_S" in result.stderr
+
+
 # --- the guard -------------------------------------------------------------------------------------
 
 

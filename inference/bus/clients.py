@@ -1,7 +1,8 @@
 """Redis clients for the bus, built in one place with named timeout policies.
 
-They talk to CEILING_COUNTERS_URL (else REDIS_URL), which may be a Redis Cluster: every command of
-the bus touches one key, or keys of one request, so each goes to the node that holds it.
+They talk to CEILING_COUNTERS_URL (else REDIS_URL), which may be a Redis Cluster: every command and
+script of the bus touches one key, so each goes to the node that holds it; a pipeline over many
+keys (traces, stats, claims) is split by node, and a SCAN visits every master.
 
 Every command of the bus is short, except the inbox's blocking read, which waits up to its block
 time on purpose: its socket timeout must outlast that wait, or an idle inbox would read as a fault.

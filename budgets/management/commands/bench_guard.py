@@ -256,7 +256,7 @@ def _delete_guard_run(name: str, user, feature: Feature, provider: Provider) -> 
     store = guard.counter_store()
     markers = [m for rid in request_ids for m in (store.admitted_marker(rid), store.settled_marker(rid))]
     # Counters first: they are keyed by this run's ids, so nothing real is lost.
-    _delete_keys(store.client, sorted(counter_keys) + markers)
+    _delete_keys(store.client, sorted(store.redis_key(key) for key in counter_keys) + markers)
     rows.delete()  # TokenLog protects its feature, provider, price, team and key
     feature.delete()
     provider.delete()  # and its price
