@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import redis
 from redis.cluster import RedisCluster
 
-from .redis_clients import node_client, refresh_layout
+from .redis_clients import cluster_errors_as_redis_errors, node_client, refresh_layout
 
 # KEYS of admit and settle: n counter hashes, then their n in-flight hashes, then one marker.
 # A counter's in-flight hash maps request id → "tokens,cost" reserved by that request. A counter
@@ -288,7 +288,8 @@ class CounterStore:
         many replicas hold its writes. (reply, replicas that acknowledged; None when not asked)."""
         # Straight to the server that holds the slot (all the keys share it): the cluster client
         # would hash every key of the call again to find what the first one says.
-        node = node_client(self.client, keys[0])
+        with cluster_errors_as_redis_errors():
+            node = node_client(self.client, keys[0])
         if not (replicated and self.wait_replicas):
             return self._routed(lambda: script(keys=keys, args=args, client=node)), None
 

@@ -10,6 +10,7 @@ URLs are checked in project/settings.py; only counters_url() reads Django's sett
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import lru_cache
 from urllib.parse import urlparse
 
@@ -18,6 +19,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
@@ -42,6 +44,45 @@ def _single_node_url(url: str) -> str:
     return f"{CLUSTER_SCHEMES[scheme]}://{rest}"
 
 
+class ClusterClient(RedisCluster):
+    """RedisCluster whose failures are all RedisErrors, as one server's are: every caller that
+    fails closed, or treats a cache as optional, on RedisError then does so on a cluster too."""
+
+    def execute_command(self, *args, **kwargs):
+        with cluster_errors_as_redis_errors():
+            return super().execute_command(*args, **kwargs)
+
+    def pipeline(self, transaction=None, shard_hint=None):
+        pipe = super().pipeline(transaction, shard_hint)
+        execute = pipe.execute
+
+        def execute_with_redis_errors(*args, **kwargs):
+            with cluster_errors_as_redis_errors():
+                return execute(*args, **kwargs)
+
+        pipe.execute = execute_with_redis_errors
+        return pipe
+
+
+class AsyncClusterClient(AsyncRedisCluster):
+    """The asyncio twin of ClusterClient."""
+
+    async def execute_command(self, *args, **kwargs):
+        with cluster_errors_as_redis_errors():
+            return await super().execute_command(*args, **kwargs)
+
+    def pipeline(self, transaction=None, shard_hint=None):
+        pipe = super().pipeline(transaction, shard_hint)
+        execute = pipe.execute
+
+        async def execute_with_redis_errors(*args, **kwargs):
+            with cluster_errors_as_redis_errors():
+                return await execute(*args, **kwargs)
+
+        pipe.execute = execute_with_redis_errors
+        return pipe
+
+
 def sync_client(url: str, *, no_retries: bool = False, **options) -> redis.Redis | RedisCluster:
     """A pooled, thread-safe client; options are redis-py's (socket_timeout, …).
 
@@ -50,7 +91,8 @@ def sync_client(url: str, *, no_retries: bool = False, **options) -> redis.Redis
     if is_cluster_url(url):
         if no_retries:
             options["retry"] = Retry(NoBackoff(), 0)
-        return RedisCluster.from_url(_single_node_url(url), **options)
+        with cluster_errors_as_redis_errors():
+            return ClusterClient.from_url(_single_node_url(url), **options)  # reads the layout now
     if no_retries:
         options |= {"retry": None, "retry_on_timeout": False}
     return redis.Redis.from_url(url, **options)
@@ -66,7 +108,7 @@ def shared_client(url: str, timeout_s: float) -> redis.Redis | RedisCluster:
 def async_client(url: str, **options) -> aioredis.Redis | AsyncRedisCluster:
     """A new asyncio client for the running event loop; the caller closes it (aclose)."""
     if is_cluster_url(url):
-        return AsyncRedisCluster.from_url(_single_node_url(url), **options)
+        return AsyncClusterClient.from_url(_single_node_url(url), **options)
     return aioredis.Redis.from_url(url, **options)
 
 
@@ -79,6 +121,20 @@ def node_client(client: redis.Redis | RedisCluster, key: str) -> redis.Redis:
 
 
 def refresh_layout(client: redis.Redis | RedisCluster) -> None:
-    """After a MOVED reply or a dead node: read which node holds which slot again."""
+    """After a MOVED reply or a dead node: read which node holds which slot again, if a node answers
+    (if none does, the next call fails and tries again)."""
     if isinstance(client, RedisCluster):
-        client.nodes_manager.initialize()
+        try:
+            client.nodes_manager.initialize()
+        except (RedisClusterException, redis.RedisError):
+            pass
+
+
+@contextmanager
+def cluster_errors_as_redis_errors():
+    """redis-py raises RedisClusterException, which is no RedisError, when no node of a cluster
+    answers or a slot has no master: callers that fail closed on RedisError see it as one."""
+    try:
+        yield
+    except RedisClusterException as exc:
+        raise redis.ConnectionError(str(exc)) from exc

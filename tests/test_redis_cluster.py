@@ -325,6 +325,55 @@ def test_an_answer_cached_on_the_cluster_is_found_again(on_cluster, alice, chat_
     assert hit is not None and (hit.text, hit.kind) == ("Hi!", "exact")
 
 
+def test_a_cluster_with_no_node_answering_fails_like_one_dead_redis(cluster, settings, alice, chat_feature):
+    """Closed for the guard, a miss for the caches, a RedisError for the bus (redis-py's own
+    RedisClusterException is not one, and would escape every `except RedisError`)."""
+    from inference.web import caches
+
+    doomed = LocalCluster(BASE_PORT + 30, replicas=0)  # 7130-7132, its own: all of it dies here
+    doomed.start()
+    try:
+        settings.CEILING_COUNTERS_URL = doomed.url
+        settings.CEILING_COUNTERS_WAIT_REPLICAS = 0
+        _forget_clients()
+        Quota.objects.create(period="day", max_requests=10)
+        chat_feature.cache_ttl_s = 60
+        chat_feature.save(update_fields=["cache_ttl_s"])
+        assert admit(request(alice, chat_feature)).admitted  # the clients know the cluster now
+        key = caches.cache_key(chat_feature, alice, "test-model", 32, [{"role": "user", "content": "hi"}])
+        caches.store(chat_feature, key, text="Hi!", completion_tokens=2, cost_micro_usd=5, request_id="r1")
+        assert caches.lookup(chat_feature, key) is not None
+    finally:
+        doomed.stop()
+
+    refused = admit(request(alice, chat_feature))
+    assert not refused.admitted and refused.code == "guard_unavailable"
+    assert caches.lookup(chat_feature, key) is None
+    with pytest.raises(redis.RedisError):
+        is_cancel_requested("r1")
+    with pytest.raises(redis.RedisError):
+        lost_claims()
+
+    async def blocking_read() -> None:
+        client = bus_clients.async_client()
+        try:
+            await client.blpop(["{x}"], timeout=1)
+        finally:
+            await client.aclose()
+
+    with pytest.raises(redis.RedisError):
+        asyncio.run(blocking_read())
+
+    # And a cluster that never answered: the guard cannot even build its client, and says so.
+    settings.CEILING_COUNTERS_URL = f"redis+cluster://127.0.0.1:{BASE_PORT + 99}/0"
+    _forget_clients()
+    started = time.perf_counter()
+    never = admit(request(alice, chat_feature))
+    assert not never.admitted and never.code == "guard_unavailable"
+    assert time.perf_counter() - started < 1.0
+    _forget_clients()
+
+
 # --- failover (last: it kills a master; the node comes back as a replica) -------------------------
 
 
