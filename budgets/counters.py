@@ -13,12 +13,14 @@ request or token limits does), the same step checks the fallback's and reserves 
 On a Redis Cluster every key the scripts touch carries the hash tag {ceiling} (ceiling:c:… is stored
 as {ceiling}:c:…), so all counters, in-flight hashes and markers share one slot: an admission across
 any set of ceilings is still one script on one server, exactly as on one Redis. With wait_replicas,
-each admission and settlement waits (WAIT) until that many replicas hold it; a replica promoted after
-its master died then holds every reservation the guard answered (docs/scaling.md).
+each admission and settlement waits (WAIT) until that many replicas hold it (fewer when the master
+lists fewer); a replica promoted after its master died then holds every reservation the guard
+answered (docs/scaling.md).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 import redis
@@ -191,8 +193,30 @@ LOGICAL_PREFIX = "ceiling"  # how the guard names counters (and the ledger's cou
 CLUSTER_PREFIX = "{ceiling}"  # the same names on a cluster: one hash tag, one slot
 
 
+REPLICA_LIST_TTL_S = 1.0
+
+
 class NotReplicated(redis.RedisError):
     """The write reached the master but not enough replicas within the wait: the guard fails closed."""
+
+
+@dataclass(frozen=True)
+class Acks:
+    acknowledged: int
+    needed: int
+
+    @property
+    def short(self) -> bool:
+        return self.acknowledged < self.needed
+
+    def __str__(self) -> str:
+        return f"{self.acknowledged} of {self.needed} replicas"
+
+
+def replicas_listed(nodes: dict) -> int:
+    """How many replicas a master's CLUSTER NODES (as redis-py parses it) lists for itself."""
+    me = next(node["node_id"] for node in nodes.values() if "myself" in node["flags"].split(","))
+    return sum(1 for node in nodes.values() if node["master_id"] == me)
 
 
 @dataclass(frozen=True)
@@ -266,6 +290,7 @@ class CounterStore:
         self.prefix = prefix or (CLUSTER_PREFIX if self.on_cluster else LOGICAL_PREFIX)  # of the markers
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
+        self._replicas_seen: dict[str, tuple[float, int]] = {}  # server → (when read, replicas listed)
         self._admit = client.register_script(ADMIT_LUA)
         self._settle = client.register_script(SETTLE_LUA)
         self._install = client.register_script(INSTALL_LUA)
@@ -283,9 +308,9 @@ class CounterStore:
             return CLUSTER_PREFIX + counter_key[len(LOGICAL_PREFIX) :]
         return counter_key
 
-    def _run(self, script, keys: list[str], args: list, *, replicated: bool):
-        """Run one script; with replicated and wait_replicas, in the same round trip WAIT until that
-        many replicas hold its writes. (reply, replicas that acknowledged; None when not asked)."""
+    def _run(self, script, keys: list[str], args: list, *, replicated: bool) -> tuple[object, Acks | None]:
+        """Run one script; with replicated and wait_replicas, in the same round trip WAIT until the
+        replicas that could replace its server hold its writes. (reply, acknowledgements or None)."""
         # Straight to the server that holds the slot (all the keys share it): the cluster client
         # would hash every key of the call again to find what the first one says.
         with cluster_errors_as_redis_errors():
@@ -294,14 +319,32 @@ class CounterStore:
             return self._routed(lambda: script(keys=keys, args=args, client=node)), None
 
         def script_then_wait():
+            needed = self._replicas_to_wait_for(node)
+            if not needed:
+                return script(keys=keys, args=args, client=node), Acks(0, 0)
             # WAIT counts the writes of its own connection: the script and WAIT share one pipeline.
             with node.pipeline(transaction=False) as pipe:
                 script(keys=keys, args=args, client=pipe)
-                pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
-                return pipe.execute()
+                pipe.execute_command("WAIT", needed, self.wait_timeout_ms)
+                reply, acknowledged = pipe.execute()
+            return reply, Acks(int(acknowledged), needed)
 
-        reply, acknowledged = self._routed(script_then_wait)
-        return reply, int(acknowledged)
+        return self._routed(script_then_wait)
+
+    def _replicas_to_wait_for(self, node: redis.Redis) -> int:
+        """wait_replicas, or fewer when the cluster lists fewer replicas of this master (failed ones
+        count: they could still be promoted). None listed, none can take over with an old copy:
+        a master promoted by a failover admits at once, and waits again once a replica rejoins.
+        The list is read at most once a second per process (CLUSTER NODES)."""
+        if not self.on_cluster:
+            return self.wait_replicas
+        address = node.get_connection_kwargs()
+        name = f"{address.get('host')}:{address.get('port')}"
+        seen = self._replicas_seen.get(name)
+        now = time.monotonic()
+        if seen is None or now - seen[0] > REPLICA_LIST_TTL_S:
+            seen = self._replicas_seen[name] = (now, replicas_listed(node.execute_command("CLUSTER NODES")))
+        return min(self.wait_replicas, seen[1])
 
     def _routed(self, call):
         # A master that died or a slot that moved: read the layout again before the next call, and
@@ -337,16 +380,13 @@ class CounterStore:
         keys = [self.redis_key(spec.key) for spec in specs]
         keys += [in_flight_key(key) for key in keys]
         keys.append(self.admitted_marker(request_id))
-        reply, acknowledged = self._run(self._admit, keys, args, replicated=True)
+        reply, acks = self._run(self._admit, keys, args, replicated=True)
         result = _admit_result([_text(item) for item in reply])
-        if result.status == "ok" and acknowledged is not None and acknowledged < self.wait_replicas:
+        if result.status == "ok" and acks is not None and acks.short:
             # A failover now could promote a replica without this reservation: never serve on it.
             self.settle(request_id, [spec.key for spec in specs], used_tokens=0, used_cost_micro_usd=0,
                         count_as_used=False, replicated=False)
-            raise NotReplicated(
-                f"{acknowledged} of {self.wait_replicas} replicas acknowledged the admission within "
-                f"{self.wait_timeout_ms} ms; it was released"
-            )
+            raise NotReplicated(f"{acks} acknowledged the admission within {self.wait_timeout_ms} ms; it was released")
         return result
 
     def settle(self, request_id: str, keys: list[str], *, used_tokens: int, used_cost_micro_usd: int,
@@ -358,14 +398,14 @@ class CounterStore:
         the same master changes nothing; on a promoted replica that lost it, it applies).
         """
         keys = [self.redis_key(key) for key in keys]
-        reply, acknowledged = self._run(
+        reply, acks = self._run(
             self._settle,
             [*keys, *(in_flight_key(key) for key in keys), self.settled_marker(request_id)],
             [MARKER_TTL_S, request_id, used_tokens, used_cost_micro_usd, "1" if count_as_used else "0"],
             replicated=replicated,
         )
-        if acknowledged is not None and acknowledged < self.wait_replicas:
-            raise NotReplicated(f"{acknowledged} of {self.wait_replicas} replicas acknowledged the settlement")
+        if acks is not None and acks.short:
+            raise NotReplicated(f"{acks} acknowledged the settlement")
         return bool(reply)
 
     def install(self, key: str, used: Usage, reserved: Usage, ttl_s: int,

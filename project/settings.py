@@ -289,9 +289,9 @@ CELERY_BROKER_URL = celery_url_from_redis_url(REDIS_URL)
 # --- Redis for the guard's counters, the answer and retrieval caches and the stream inboxes ----
 # May name a Redis (or Valkey) Cluster; empty: the REDIS_URL server (budgets/redis_clients.py). See docs/scaling.md.
 CEILING_COUNTERS_URL = check_counters_url(envstr("CEILING_COUNTERS_URL", ""))
-# After each admission the guard waits (WAIT) until this many replicas hold it: a replica promoted
-# when its master dies then holds every reservation that was answered. Fewer within the timeout →
-# the admission is released and refused (fail closed). 1 by default on a cluster, 0 on one Redis.
+# After each admission the guard waits (WAIT) until this many replicas hold it (fewer when the
+# master lists fewer): a replica promoted when its master dies then holds every reservation that
+# was answered. Fewer within the timeout → released and refused (fail closed). 1 on a cluster, 0 on one Redis.
 CEILING_COUNTERS_WAIT_REPLICAS = envint(
     "CEILING_COUNTERS_WAIT_REPLICAS", 1 if urlparse(CEILING_COUNTERS_URL).scheme in CLUSTER_SCHEMES else 0, minimum=0
 )

@@ -113,6 +113,14 @@ class LocalCluster:
         _wait_until(lambda: _role(replica) == "master" and self._healthy(), f"node {replica} to take over", 30)
         return replica
 
+    def pause(self, port: int) -> None:
+        """SIGSTOP: the node stays listed in the cluster but answers nothing, a replica that lags."""
+        self.processes[port].send_signal(signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        self.processes[port].send_signal(signal.SIGCONT)
+        _wait_until(self._healthy, f"node {port} to catch up", timeout_s=30)
+
     def kill(self, port: int) -> None:
         self.processes[port].send_signal(signal.SIGKILL)
         self.processes[port].wait(10)
