@@ -43,12 +43,19 @@ from pathlib import Path
 from django.conf import settings
 from django.utils import timezone
 
+from inference.worker.lost import UNCLAIMED_GRACE_S
 from project import stack
 
 FEATURE = "loadtest"
 PROVIDER = "loadtest-stub"
 KILLABLE = ("web", "worker", "redis-master")
-SETTLE_TIMEOUT_S = 60.0  # a killed worker's requests are settled by the lost-request sweep (~5-10 s)
+# The stub answers within a second: the run's processes give up on a first token after 15 s, not 60,
+# so a request lost with a killed web process (admitted, never dispatched) is settled by the workers'
+# sweep (inference/worker/lost.py) within the report's wait.
+FIRST_TOKEN_TIMEOUT_S = 15
+ENGINE_FIRST_TOKEN_S = 10
+SWEEP_EVERY_S = 2
+SETTLE_TIMEOUT_S = FIRST_TOKEN_TIMEOUT_S + UNCLAIMED_GRACE_S + 4 * SWEEP_EVERY_S + 10
 
 
 @dataclass(frozen=True)
@@ -84,8 +91,9 @@ class ScalePlan:
 
 
 def counters_on_cluster() -> bool:
-    url = getattr(settings, "CEILING_COUNTERS_URL", "") or ""
-    return url.startswith("redis+cluster://") or url.startswith("rediss+cluster://")
+    from budgets.redis_clients import is_cluster_url
+
+    return is_cluster_url(settings.CEILING_COUNTERS_URL or "")
 
 
 # --- the cast ---------------------------------------------------------------------------------------
@@ -177,6 +185,9 @@ class Topology:
             CEILING_COMPILE_DECODE="0",
             CEILING_TORCH_THREADS="1",
             CEILING_IGNORE_EOS="1",
+            CEILING_FIRST_TOKEN_TIMEOUT_S=str(FIRST_TOKEN_TIMEOUT_S),
+            CEILING_ENGINE_FIRST_TOKEN_S=str(ENGINE_FIRST_TOKEN_S),
+            CEILING_LOST_SWEEP_EVERY_S=str(SWEEP_EVERY_S),
         )
         env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
         return env
@@ -230,19 +241,17 @@ class Topology:
 
 
 def kill_a_counters_master() -> str:
-    """SIGKILL-equivalent for a Redis Cluster master of CEILING_COUNTERS_URL (DEBUG SEGFAULT is not
-    allowed everywhere, so SHUTDOWN NOSAVE); returns its address. Its replica takes over."""
-    import redis
-    from redis.cluster import RedisCluster
+    """SIGKILL the Redis Cluster master that holds the guard's counters (their one slot, {ceiling});
+    its replica takes over. Loopback only: the process is found by the pid the server reports."""
+    from budgets.counters import CLUSTER_PREFIX
+    from budgets.redis_clients import node_client, sync_client
 
-    url = settings.CEILING_COUNTERS_URL.replace("+cluster", "", 1)
-    cluster = RedisCluster.from_url(url)
-    master = cluster.get_primaries()[0]
-    try:
-        redis.Redis(host=master.host, port=master.port).shutdown(nosave=True)
-    except redis.ConnectionError:
-        pass  # the connection drops as the server exits: that is the answer
-    return f"{master.host}:{master.port}"
+    master = node_client(sync_client(settings.CEILING_COUNTERS_URL), CLUSTER_PREFIX)
+    address = master.connection_pool.connection_kwargs
+    if address.get("host") not in ("127.0.0.1", "localhost", "::1"):
+        raise RuntimeError(f"the counters' master is at {address.get('host')}, not on this machine: kill it there")
+    os.kill(int(master.info("server")["process_id"]), signal.SIGKILL)
+    return f"{address['host']}:{address['port']}"
 
 
 # --- the client -------------------------------------------------------------------------------------
