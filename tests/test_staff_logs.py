@@ -187,12 +187,29 @@ def test_csv_export_has_the_header_and_only_the_filtered_rows(client, staff, mix
     header, *rows = csv_rows(response)
     assert header == [
         "created_at", "request_id", "user", "feature", "model", "status", "refusal_code",
-        "prompt_tokens", "completion_tokens", "cost_usd", "ttft_ms", "total_ms",
+        "prompt_tokens", "completion_tokens", "cost_usd", "ttft_ms", "total_ms", "team", "tags",
     ]
     assert [row[1] for row in rows] == [mixed_logs["alice_summary"].request_id, mixed_logs["alice_ok"].request_id,
                                         mixed_logs["alice_old"].request_id]
     first_chat = rows[1]
     assert first_chat[2:10] == ["alice", "chat", "m", "ok", "", "10", "5", "0.001234"]
+    assert first_chat[12:] == ["", ""]  # no team, no tags
+
+
+def test_csv_export_has_each_rows_team_and_tags(client, staff, alice, bob, chat_feature):
+    from budgets.models import Team
+
+    team = Team.objects.create(name="=Support")  # a name a spreadsheet would run as a formula
+    tagged = log(alice, chat_feature, team=team, tags=",support,beta,")
+    plain = log(bob, chat_feature)
+
+    header, *rows = csv_rows(logged_in(client, staff).get(reverse("staff-logs"), {"format": "csv"}))
+
+    by_id = {row[1]: dict(zip(header, row, strict=True)) for row in rows}
+    assert (by_id[tagged.request_id]["team"], by_id[tagged.request_id]["tags"]) == ("'=Support", "support beta")
+    assert (by_id[plain.request_id]["team"], by_id[plain.request_id]["tags"]) == ("", "")
+    only_support = csv_rows(client.get(reverse("staff-logs"), {"format": "csv", "tag": "support"}))[1:]
+    assert [row[1] for row in only_support] == [tagged.request_id]
 
 
 def test_bad_filters_show_an_error_instead_of_rows(client, staff, mixed_logs):
