@@ -61,9 +61,9 @@ def check_team_thresholds(team_id: int, at: datetime | None = None) -> list[int]
     The spend is the ledger rows admitted under the team (TokenLog.team), as the guard counts it.
     """
     at = at or timezone.now()
-    team = Team.objects.filter(pk=team_id).first()
-    limit = team_monthly_cap(team_id) if team is not None else None
-    if not limit:
+    limit = team_monthly_cap(team_id)  # first: most teams settle requests without one, at one query
+    team = Team.objects.filter(pk=team_id).first() if limit else None
+    if team is None:
         return []
     spent = month_spend({"team_id": team_id}, at)
     return raise_crossed(team, team_scope(team), spent, limit, at)

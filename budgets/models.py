@@ -418,8 +418,9 @@ class Alert(models.Model):
         SPIKE = "spike"  # a day's spend above 3x the trailing median
 
     kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.THRESHOLD)
-    # "provider:local", "user:alice", "user:alice/feature:chat"; a team or tag scope will read "team:…".
-    scope = models.CharField(max_length=100)
+    # "provider:local", "user:alice", "user:alice/feature:chat", "team:Support/feature:chat", "tag:beta":
+    # long enough for the longest names (a 150-character username and a 64-character feature).
+    scope = models.CharField(max_length=300)
     threshold = models.PositiveSmallIntegerField()  # percent for THRESHOLD; 0 for the others
     period_key = models.CharField(max_length=16)  # "2026-12" or "2026-12-03": the period is in the key
     spent_micro_usd = models.BigIntegerField()

@@ -300,3 +300,27 @@ def test_end_users_cannot_change_a_teams_alert_channels(alice, support):
                                                        "body_format": "json"}).status_code == 403
     support.refresh_from_db()
     assert support.alert_thresholds == [50, 80, 100] and not AlertWebhook.objects.exists()
+
+
+def test_a_per_feature_cap_of_a_team_with_the_longest_names_is_alerted_to_the_team(
+    smtp, receivers, unlimited, alice, chat_feature
+):
+    long_name = "S" * 64
+    team, _ = do_create_team(None, long_name, [alice])
+    Team.objects.filter(pk=team.pk).update(alert_recipients="lead@example.com")
+    feature = chat_feature.__class__.objects.create(name="f" * 64)
+    TeamQuota.objects.create(team=team, feature=feature, period=Period.MONTH, max_cost_micro_usd=50 * DOLLAR)
+    receiver = receivers()
+    team_hook(team, receiver.url)
+    day = local(2031, 2, 8).date()
+    while day <= local(2031, 3, 9).date():
+        row = team_spend(team, unlimited, alice, feature, 2 * DOLLAR, at=local(day.year, day.month, day.day, 12))
+        day += timedelta(days=1)
+    assert row.feature == feature
+
+    check_spend_forecasts(at=local(2031, 3, 10, 12))
+
+    [alert] = Alert.objects.filter(kind=Alert.Kind.PROJECTED)
+    assert alert.scope == f"team:{long_name}/feature:{feature.name}"  # 142 characters
+    assert [json.loads(post.body)["scope"] for post in receiver.posts] == [alert.scope]
+    assert [envelope.rcpt_tos for envelope in smtp.envelopes] == [["lead@example.com"]]

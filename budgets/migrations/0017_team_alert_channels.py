@@ -12,6 +12,11 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
+        migrations.AlterField(
+            model_name='alert',
+            name='scope',
+            field=models.CharField(max_length=300),
+        ),
         migrations.AddField(
             model_name='alertwebhook',
             name='team',
