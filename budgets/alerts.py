@@ -170,10 +170,6 @@ def scope_recipients(scope: str) -> list[str]:
     return owner.recipients() if owner else []
 
 
-def provider_month_spend(provider_id: int, at: datetime) -> int:
-    return month_spend({"provider_id": provider_id}, at)
-
-
 def month_spend(scope: dict, at: datetime) -> int:
     """Micro-dollars of settled requests of one scope ({"provider_id": 3}, {"team_id": 2}) in the
     calendar month of `at`: one aggregate query.
