@@ -9,7 +9,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
 from budgets.actions import Usage, do_record_usage, do_save_with_audit, snapshot
-from budgets.alerts import check_provider_thresholds_safely
+from budgets.alerts import check_thresholds_after_settle
 from budgets.guard import AdmissionRequest, Decision, Fallback, LoopLimits, admit, settle
 from budgets.models import AuditEntry, Feature, RetrievalFacts, TokenLog, unique_row
 
@@ -140,8 +140,8 @@ def settle_reservation(request_id: str) -> bool:
     if row is None or row.status in (TokenLog.Status.RUNNING, TokenLog.Status.REFUSED) or not row.admitted:
         return False
     settled = settle(row)
-    if settled and row.provider is not None and row.provider.monthly_limit_micro_usd is not None:
-        check_provider_thresholds_safely(row.provider_id)  # logs, never raises: settling must not fail
+    if settled:
+        check_thresholds_after_settle(row)  # the provider's and the team's; logs, never raises
     return settled
 
 
