@@ -425,8 +425,17 @@ def verdict(plan: ScalePlan, cast: Cast, outcomes: list[Outcome]) -> dict:
         "rows_lost": len(lost),
         "rows_lost_ids": lost[:20],
         "rows_unsettled": rows.filter(status=TokenLog.Status.RUNNING).count(),
-        "counter_mismatches": counter_mismatches(cast),
+        "counter_mismatches": readable_counter_mismatches(cast),
     }
+
+
+def readable_counter_mismatches(cast: Cast) -> list[str]:
+    import redis
+
+    try:
+        return counter_mismatches(cast)
+    except redis.RedisError as exc:  # e.g. a slot's master and replica both gone: say so, keep the report
+        return [f"the counters could not be read: {exc}"]
 
 
 def counter_mismatches(cast: Cast) -> list[str]:
