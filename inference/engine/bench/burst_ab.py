@@ -28,7 +28,7 @@ from pathlib import Path
 from inference.engine.bench.measure import RequestTiming, summarise
 from inference.engine.bench.modes import _drain, replay_on_engine
 from inference.engine.bench.workload import WorkloadSpec, mixed_workload
-from inference.engine.patches.quantization import NEVER
+from inference.engine.patches.quantization import NEVER, keep_wide_copy
 
 QUICK_REQUESTS = 24
 
@@ -44,9 +44,12 @@ def packed_modules(engine) -> list:
     return modules
 
 
-def wide_switch(engine):
-    """A function turning the wide steps' bf16 route on or off on every layer, as loaded."""
+def wide_switch(engine, start: int = 0):
+    """A function turning the wide steps' bf16 route on or off on every layer: as loaded, or from
+    `start` rows (a load-time measurement on a busy machine can miss what the burst would gain)."""
     modules = packed_modules(engine)
+    if start:
+        keep_wide_copy(modules, start)
     measured = [(m, m.q4_max_rows, m.wide_min_rows) for m in modules]
     narrow = engine.q4_max_rows_before_wide
 
@@ -81,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="burst_ab")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--experiment", choices=("wide", "buckets"), default="wide")
+    parser.add_argument("--wide-from", type=int, default=0, help="wide: the bf16 copy from this many rows (0: as measured)")
     parser.add_argument("--compile-buckets", default="", help="e.g. 1,2,4,8 (empty: eager steps)")
     parser.add_argument("--json", type=Path, default=Path("var/bench/burst_ab.json"))
     options = parser.parse_args(argv or [])
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise RuntimeError("the decode steps were still compiling after 1800 s")
         requests = mixed_workload(WorkloadSpec(requests=QUICK_REQUESTS))
         prompts = [engine.encode_chat(r.messages) for r in requests]
-        switch = wide_switch(engine) if options.experiment == "wide" else bucket_switch(engine)
+        switch = wide_switch(engine, options.wide_from) if options.experiment == "wide" else bucket_switch(engine)
         _drain(engine.submit("warm-up", prompts[0][:16], 2, ignore_eos=True), RequestTiming(-1, 0.0))
         run_burst(engine, requests, prompts)  # the first burst fills the shared prefix's blocks: not counted
         runs: dict[str, list[dict]] = {"before": [], "after": []}
