@@ -2,8 +2,8 @@
 
 The machine this runs on is shared and moves ±10% from minute to minute, so a change to the
 engine's hot loop is judged by a ratio inside one run: one engine is loaded once, and each round
-replays the same burst (24 requests at once, EOS ignored) first one way, then the other. What
-alternates:
+replays the same burst (24 requests at once, EOS ignored) one way and the other, in ABBA order so
+a machine slowing down or speeding up falls on both. What alternates:
 
 - `wide`: wide steps' bf16 copy of the weights (patches/quantization.py, measure_wide_rows) on,
   against the routes those steps took before (4-bit up to the measured rows, fp32 above);
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         run_burst(engine, requests, prompts)  # the first burst fills the shared prefix's blocks: not counted
         runs: dict[str, list[dict]] = {"before": [], "after": []}
         for round_ in range(options.rounds):
-            for name in ("before", "after"):
+            for name in ("before", "after") if round_ % 2 == 0 else ("after", "before"):  # ABBA: a trend falls on both
                 switch(name == "after")
                 runs[name].append(run_burst(engine, requests, prompts))
                 print(f"round {round_} {name}: {runs[name][-1]}", flush=True)
