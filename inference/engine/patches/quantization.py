@@ -27,7 +27,8 @@ A decode step of a few rows reads every weight once for a handful of tokens, so 
 memory, and the 4-bit copy is 8× smaller: on an AMD EPYC, one pass over all the block linears took
 15-26 ms for 1-4 rows against 41-63 ms in fp32 (docs/benchmarks.md). Steps with more rows (prefill
 chunks, big batches) keep the fp32 weights, which stay loaded beside the 4-bit copy (+66 MB); the
-row count up to which q4 pays is measured when the engine loads (`measure_q4_rows`). The lm_head
+row count up to which q4 pays is measured when the engine loads (`measure_q4_rows`); then, on a
+CPU whose bf16 matrix units make it pay, wide steps read a bf16 copy instead (`measure_wide_rows`). The lm_head
 (the tied embedding, Q8_0 in the GGUF, one scale per 32 weights) has no kernel for 32-weight groups
 in torch; read in fp32 it was 113 MB — 9.4 ms of a lone request's ~24 ms step. So q4 also gives
 the lm_head an int8 copy with one scale per output row (`_weight_int8pack_mm`, bf16 activations:
