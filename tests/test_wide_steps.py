@@ -122,3 +122,20 @@ def test_batched_requests_through_the_bf16_copy_decode_exactly_as_greedy_alone(w
         manager.stop()
     for index, prompt in enumerate(prompts):  # greedy's full passes are wide steps too: the same route
         assert answers[f"w{index}"] == greedy(wide_model, prompt, 16)
+
+
+def test_an_engine_asked_for_wide_steps_measures_them_at_load_and_counts_the_copy():
+    from dataclasses import replace
+
+    from inference.engine import Engine
+    from inference.engines import engine_config_from_settings
+
+    config = replace(engine_config_from_settings(model_dir()), num_blocks=64, quantization=Q4, q4_wide_bf16=True)
+    engine = Engine(config)
+    said: list[str] = []
+    engine.load(progress=said.append)
+    assert any(line.startswith("Wide steps, their route vs a bf16 copy") for line in said)
+    copies = [m for m in engine.model.modules() if hasattr(m, "bf16_weight")]
+    assert bool(copies) == (engine.wide_min_rows != NEVER)
+    assert engine.q4_max_rows < engine.wide_min_rows and engine.q4_max_rows <= engine.q4_max_rows_before_wide
+    assert engine.weights_bytes == weights_memory_bytes(engine.model)

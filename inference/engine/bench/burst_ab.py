@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, default=Path("var/bench/burst_ab.json"))
     options = parser.parse_args(argv or [])
     buckets = tuple(int(b) for b in options.compile_buckets.split(",") if b)
-    config = replace(engine_config_from_settings(model_dir()), quantization="q4", compile_buckets=buckets)
+    config = replace(engine_config_from_settings(model_dir()), quantization="q4", compile_buckets=buckets,
+                     q4_wide_bf16=options.experiment == "wide")
     engine = Engine(config)
     engine.load(progress=print)
     engine.start()
