@@ -164,3 +164,18 @@ def test_an_engine_without_the_compile_says_nothing_of_it(model):  # noqa: F811
 def _answer(engine: Engine, prompt: list[int], name: str) -> list[int]:
     handle = engine.submit(name, prompt, NEW_TOKENS, ignore_eos=True)
     return [token for event in handle.events(timeout=300) for token in event.new_tokens]
+
+
+def test_a_bucket_wider_than_the_scratch_length_gets_rows_of_one_position_or_more(model):  # noqa: F811
+    # Buckets up to 64 rows are allowed (CEILING_COMPILE_BUCKETS); the compile's scratch rows are
+    # 41, 40, … positions long, so past 40 rows they must stop at one rather than go empty.
+    from inference.engine.owned.compiled import _scratch_rows
+    from inference.engine.owned.runner import ModelRunner
+
+    runner = ModelRunner(model, num_blocks=8, page_size=32)
+    rows = _scratch_rows(runner, 64, 41)
+    assert len(rows) == 64 and rows[0].length == 41 and min(row.length for row in rows) == 1
+    arguments = decode_arguments(runner, rows, 64, runner.k_cache, runner.v_cache)
+    with torch.inference_mode():
+        logits = decode_step_function(runner)(*arguments)  # eagerly: the graph's code, no compile
+    assert logits.shape == (64, model.config.vocab_size) and torch.isfinite(logits).all()

@@ -38,6 +38,10 @@ class EngineConfig:
     skinny_linear: bool = True
     # "none", "int8", "q4" or "bf16" (inference/engine/patches/quantization.py): how the weights are stored once loaded.
     quantization: str = "none"
+    # q4 only: wide steps (big decode batches, prefill chunks) read a bf16 copy of the weights where
+    # that measures faster at load than their 4-bit or fp32 route (patches/quantization.py, measure_wide_rows).
+    # Off by default: it cut the burst's TTFT but not its output tokens/s (docs/benchmarks.md).
+    q4_wide_bf16: bool = False
     # Decode-only steps of up to these many rows compiled (torch.compile, inductor) in the
     # background, each bucket used where it measures faster (inference/engine/owned/compiled.py);
     # owned loop on a CPU only. () compiles nothing.

@@ -35,7 +35,16 @@ from .owned.manager import OwnedManager
 from .owned.runner import unsupported_reason
 from .patches import attention
 from .patches.linears import describe, measure_row_buckets, plain_linears, use_skinny_linears
-from .patches.quantization import Q4, describe_q4, measure_q4_rows, quantize_model, weights_memory_bytes
+from .patches.quantization import (
+    NEVER,
+    Q4,
+    describe_q4,
+    describe_wide,
+    measure_q4_rows,
+    measure_wide_rows,
+    quantize_model,
+    weights_memory_bytes,
+)
 from .stream import CANCELLED, EngineStats, FailedOutput, RequestHandle, StreamEvent
 
 log = logging.getLogger(__name__)
@@ -88,6 +97,8 @@ class Engine:
         self.weights_bytes = 0
         self.skinny_buckets: list[int] = []  # decode row buckets computed as W·xᵀ (inference/engine/patches/linears.py)
         self.q4_max_rows = 0  # steps of up to this many rows read the 4-bit weights (q4 variant only)
+        self.wide_min_rows = NEVER  # steps of at least this many rows read the bf16 copy (q4 variant only)
+        self.q4_max_rows_before_wide = 0  # the 4-bit route's reach as measured against fp32 alone
         self.loop = config.loop  # the loop that really runs: "owned" or "transformers" (see _choose_loop)
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -132,6 +143,13 @@ class Engine:
             # After the skinny routes: q4 competes with the route an fp32 step would really take.
             self.q4_max_rows, q4_timings = measure_q4_rows(self.model)
             progress(f"Decode linears, fp32 vs 4-bit weights per pass over the block linears: {describe_q4(self.q4_max_rows, q4_timings)}")
+            self.q4_max_rows_before_wide = self.q4_max_rows
+            if self.config.q4_wide_bf16:
+                self.wide_min_rows, wide_timings = measure_wide_rows(self.model)
+                self.q4_max_rows = min(self.q4_max_rows, self.wide_min_rows - 1)
+                self.weights_bytes = weights_memory_bytes(self.model)
+                progress(f"Wide steps, their route vs a bf16 copy per pass over the block linears: "
+                         f"{describe_wide(self.wide_min_rows, wide_timings)}")
 
     def start(self) -> None:
         if self.model is None:

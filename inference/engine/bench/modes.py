@@ -28,6 +28,7 @@ from inference.engine.bench.measure import (
     timing_rows,
 )
 from inference.engine.bench.workload import BenchRequest
+from inference.engine.patches.quantization import NEVER
 
 STATIC_BATCH_SIZE = 8
 
@@ -193,7 +194,8 @@ def run_engine(model_dir: Path, requests: list[BenchRequest], threads: int = 2, 
     report = engine.compile_report()
     compiled = {} if report is None else {"compiled_decode": report.as_dict()}
     extra = sampler.figures() | lone | compiled | {"skinny_buckets": engine.skinny_buckets, "loop": engine.loop,
-                                        "quantization": engine.config.quantization, "q4_max_rows": engine.q4_max_rows}
+                                        "quantization": engine.config.quantization, "q4_max_rows": engine.q4_max_rows,
+                                        "wide_min_rows": None if engine.wide_min_rows == NEVER else engine.wide_min_rows}
     return ModeResult(summarise(timings, own_peak_rss_mb()), extra=extra, timings=timing_rows(timings))
 
 

@@ -236,7 +236,7 @@ def _scratch_rows(runner, count: int, length: int) -> list[DecodeRow]:
     order of its own (descending, then rotated), as live requests' blocks may come back from the
     free list. What they read is whatever earlier rows wrote: only the shapes and the time matter."""
     blocks = list(reversed(range(_scratch_blocks(runner))))
-    return [DecodeRow(5 + index, blocks[index:] + blocks[:index], length - index) for index in range(count)]
+    return [DecodeRow(5 + index, blocks[index:] + blocks[:index], max(length - index, 1)) for index in range(count)]
 
 
 def _median_step_ms(runner, function, bucket: int, k_caches, v_caches) -> float:

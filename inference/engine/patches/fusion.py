@@ -62,6 +62,8 @@ def _fusable(layers: list[nn.Module]) -> bool:
         and (layer.bias is None) == (first.bias is None)
         and hasattr(layer, "q4_weight") == hasattr(first, "q4_weight")
         and getattr(layer, "q4_max_rows", None) == getattr(first, "q4_max_rows", None)
+        and getattr(layer, "wide_min_rows", None) == getattr(first, "wide_min_rows", None)
+        and hasattr(layer, "bf16_weight") == hasattr(first, "bf16_weight")
         and getattr(layer, "skinny_routes", None) == getattr(first, "skinny_routes", None)
         for layer in layers
     )
@@ -91,7 +93,14 @@ def _fuse_q4(fused: nn.Linear, layers: list[nn.Linear]) -> None:
         codes, scales_and_zeros = q4_pack(fused.weight.detach(), "a fused layer")
     fused.register_buffer("q4_weight", codes, persistent=False)
     fused.register_buffer("q4_scales_and_zeros", scales_and_zeros, persistent=False)
-    fused.q4_max_rows = layers[0].q4_max_rows
+    fused.q4_max_rows, fused.wide_min_rows = layers[0].q4_max_rows, layers[0].wide_min_rows
+    if hasattr(layers[0], "bf16_weight"):  # the wide steps' copy, shared with the originals as their fp32 rows are
+        wide = torch.cat([layer.bf16_weight for layer in layers])
+        fused.register_buffer("bf16_weight", wide, persistent=False)
+        start = 0
+        for layer in layers:
+            layer.bf16_weight = wide[start : start + layer.out_features]
+            start += layer.out_features
     fused.consults_skinny_routes = True
     if getattr(layers[0], "skinny_routes", None) is not None:
         fused.skinny_routes = layers[0].skinny_routes

@@ -27,7 +27,8 @@ A decode step of a few rows reads every weight once for a handful of tokens, so 
 memory, and the 4-bit copy is 8× smaller: on an AMD EPYC, one pass over all the block linears took
 15-26 ms for 1-4 rows against 41-63 ms in fp32 (docs/benchmarks.md). Steps with more rows (prefill
 chunks, big batches) keep the fp32 weights, which stay loaded beside the 4-bit copy (+66 MB); the
-row count up to which q4 pays is measured when the engine loads (`measure_q4_rows`). The lm_head
+row count up to which q4 pays is measured when the engine loads (`measure_q4_rows`); then, on a
+CPU whose bf16 matrix units make it pay, wide steps read a bf16 copy instead (`measure_wide_rows`). The lm_head
 (the tied embedding, Q8_0 in the GGUF, one scale per 32 weights) has no kernel for 32-weight groups
 in torch; read in fp32 it was 113 MB — 9.4 ms of a lone request's ~24 ms step. So q4 also gives
 the lm_head an int8 copy with one scale per output row (`_weight_int8pack_mm`, bf16 activations:
@@ -65,6 +66,10 @@ CPU_ONLY = {INT8: "torch.ao dynamic quantization", Q4: "torch's CPU int4 kernel"
 Q4_GROUP = 32  # weights per (scale, zero) pair: Q4_1's block
 Q4_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 Q4_MIN_GAIN = 0.05  # the 4-bit route must beat fp32 by this much for a bucket to take it
+# Wide steps (big decode batches, prefill chunks) may read a bf16 copy instead of the fp32 weights:
+# measured at these row counts too, the last standing for every longer step.
+WIDE_ROW_BUCKETS = (*Q4_ROW_BUCKETS, 256)
+NEVER = 1 << 30  # a wide_min_rows no step reaches: the layer has no bf16 route
 
 
 class QuantizationError(RuntimeError):
@@ -148,7 +153,9 @@ def bytes_read_per_decode_step(model: nn.Module, rows: int = 1) -> int:
         if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
             total += module.weight().nelement()  # one byte each
         elif isinstance(module, nn.Linear):
-            if getattr(module, "q4_weight", None) is not None and rows <= getattr(module, "q4_max_rows", 0):
+            if getattr(module, "bf16_weight", None) is not None and rows >= module.wide_min_rows:
+                total += module.bf16_weight.nbytes
+            elif getattr(module, "q4_weight", None) is not None and rows <= getattr(module, "q4_max_rows", 0):
                 total += module.q4_weight.nbytes + module.q4_scales_and_zeros.nbytes
             elif getattr(module, "q8_weight", None) is not None and rows <= getattr(module, "q4_max_rows", 0):
                 total += module.q8_weight.nbytes + module.q8_scales.nbytes
@@ -196,13 +203,13 @@ def pack_q4(model: nn.Module) -> nn.Module:
         weight, scales = q8_pack(head.weight.detach())
         head.register_buffer("q8_weight", weight, persistent=False)
         head.register_buffer("q8_scales", scales, persistent=False)
-        head.q4_max_rows = 0
+        head.q4_max_rows, head.wide_min_rows = 0, NEVER
         head.consults_skinny_routes = True
         head.forward = types.MethodType(q8_routed_forward, head)
     for (_, layer), (packed, scales_and_zeros) in zip(layers, packs, strict=True):
         layer.register_buffer("q4_weight", packed, persistent=False)
         layer.register_buffer("q4_scales_and_zeros", scales_and_zeros, persistent=False)
-        layer.q4_max_rows = 0
+        layer.q4_max_rows, layer.wide_min_rows = 0, NEVER
         # skinny.use_skinny_linears leaves forward alone on a layer that consults skinny_routes itself.
         layer.consults_skinny_routes = True
         layer.forward = types.MethodType(q4_routed_forward, layer)
@@ -254,9 +261,22 @@ def q8_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def q8_routed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.numel() // x.shape[-1] <= self.q4_max_rows:
+    rows = x.numel() // x.shape[-1]
+    if rows <= self.q4_max_rows:
         return q8_forward(self, x)
+    if rows >= self.wide_min_rows:
+        return bf16_forward(self, x)
     return routed_linear_forward(self, x)
+
+
+def bf16_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """x · Wᵀ from the layer's bf16 copy, the activations rounded to bf16 as the 4-bit route rounds them."""
+    rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1]).to(torch.bfloat16)
+    out = nn.functional.linear(flat, layer.bf16_weight).to(x.dtype)
+    if layer.bias is not None:
+        out = out + layer.bias
+    return out.view(*x.shape[:-1], layer.out_features)
 
 
 def q4_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -271,8 +291,12 @@ def q4_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def q4_routed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.numel() // x.shape[-1] <= self.q4_max_rows:
+    """Few rows: the 4-bit copy; many rows: the bf16 copy where it measured faster; between: fp32."""
+    rows = x.numel() // x.shape[-1]
+    if rows <= self.q4_max_rows:
         return q4_forward(self, x)
+    if rows >= self.wide_min_rows:
+        return bf16_forward(self, x)
     return routed_linear_forward(self, x)
 
 
@@ -308,6 +332,75 @@ def _route_by_rows(layers: list[nn.Linear], packed_forward, repeats: int) -> tup
     for layer in layers:
         layer.q4_max_rows = max_rows
     return max_rows, timings
+
+
+def measure_wide_rows(model: nn.Module, repeats: int = 3) -> tuple[int, list[tuple[int, float, float]]]:
+    """Give the packed layers a bf16 copy for wide steps where it beats the route those steps take now.
+
+    Run after `measure_q4_rows`. On a CPU with bf16 matrix units (AMX, AVX512-BF16) a product of
+    16-256 rows reads half the bytes of fp32 and runs on those units, while the 4-bit kernel's cost
+    grows with the rows (it unpacks every weight for each few rows). Per bucket of WIDE_ROW_BUCKETS
+    from 2 rows up, the layers' current route (4-bit or fp32) is timed against the bf16 copy; the
+    copy serves from the first bucket of an unbroken run of wins up to the last (256 rows, standing
+    for every longer prefill chunk). Where it never wins the copies are dropped (no memory kept).
+    Returns (the row count from which steps read the bf16 copy, NEVER if none; [(rows, current ms,
+    bf16 ms)] per bucket).
+    """
+    result: tuple[int, list[tuple[int, float, float]]] = (NEVER, [])
+    for buffer in ("q8_weight", "q4_weight"):  # the block linears last: theirs is the figure returned
+        group = _packed_layers(model, buffer)
+        if not group:
+            continue
+        for layer in group:  # timed before any step is routed to them
+            _give_bf16_copy(layer)
+        result = _wide_start(group, repeats)
+        keep_wide_copy(group, result[0])
+    return result
+
+
+def keep_wide_copy(layers: list[nn.Linear], start: int) -> None:
+    """Route the layers' steps of `start` rows and more to their bf16 copy (made if missing); NEVER drops the copies."""
+    for layer in layers:
+        if start == NEVER:
+            if hasattr(layer, "bf16_weight"):
+                del layer.bf16_weight
+        else:
+            _give_bf16_copy(layer)
+            layer.q4_max_rows = min(layer.q4_max_rows, start - 1)  # the 4-bit route is checked first
+        layer.wide_min_rows = start
+
+
+def _give_bf16_copy(layer: nn.Linear) -> None:
+    if not hasattr(layer, "bf16_weight"):
+        layer.register_buffer("bf16_weight", layer.weight.detach().to(torch.bfloat16), persistent=False)
+
+
+def _packed_layers(model: nn.Module, buffer: str) -> list[nn.Linear]:
+    return [m for m in model.modules() if hasattr(m, buffer)]
+
+
+def _wide_start(layers: list[nn.Linear], repeats: int) -> tuple[int, list[tuple[int, float, float]]]:
+    routes = {"current": q4_routed_forward if hasattr(layers[0], "q4_weight") else q8_routed_forward,
+              "bf16": bf16_forward}
+    buckets = [rows for rows in WIDE_ROW_BUCKETS if rows >= 2]
+    timings = []
+    with torch.inference_mode():
+        for rows in buckets:
+            timed = time_routes(layers, rows, routes, repeats)
+            timings.append((rows, timed["current"], timed["bf16"]))
+    start = NEVER
+    for index in reversed(range(len(buckets))):  # the unbroken run of wins that ends at the widest bucket
+        rows, current_ms, bf16_ms = timings[index]
+        if bf16_ms >= (1 - Q4_MIN_GAIN) * current_ms:
+            break
+        start = buckets[index - 1] + 1 if index else 2
+    return start, timings
+
+
+def describe_wide(start: int, timings: list[tuple[int, float, float]]) -> str:
+    passes = "; ".join(f"{rows} rows {current:.1f} vs {bf16:.1f} ms" for rows, current, bf16 in timings)
+    verdict = "no bf16 copy kept" if start == NEVER else f"the bf16 copy for steps of {start} rows and more"
+    return f"{passes} → {verdict}"
 
 
 def describe_q4(max_rows: int, timings: list[tuple[int, float, float]]) -> str:
