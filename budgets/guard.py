@@ -25,7 +25,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
-from . import refcache
+from . import ledger_writer, refcache
 from .counters import AdmitResult, CounterGroup, CounterSpec, CounterStore, Limits, Usage
 from .live import publish_on_commit
 from .models import (
@@ -419,9 +419,12 @@ def _mark_admitted(row: TokenLog, result: AdmitResult, served: Candidate, reques
             "model": served.model,
             "counter_keys": [c.spec.key for c in served.ceilings],
         }
-    TokenLog.objects.filter(pk=row.pk).update(**fields)
     for name, value in fields.items():
         setattr(row, name, value)
+    if requested is None and ledger_writer.group_commit_applies():
+        ledger_writer.writer.mark_admitted(row)  # shares its commit with the other admissions'
+        return
+    TokenLog.objects.filter(pk=row.pk).update(**fields)
 
 
 def _fallback_refused_too(fallback: Candidate, ceilings: list[Ceiling], refusal: AdmitResult, message: str,
@@ -461,8 +464,11 @@ def _open_row(request, provider, price, ceilings, now, team=None) -> tuple[Token
     # savepoint keeps a duplicate's IntegrityError from breaking it.
     in_transaction = transaction.atomic() if connection.in_atomic_block else nullcontext()
     try:
-        with in_transaction:
-            row.save(force_insert=True)
+        if ledger_writer.group_commit_applies():
+            ledger_writer.writer.insert(row)  # returns once committed, with the other admissions' rows
+        else:
+            with in_transaction:
+                row.save(force_insert=True)
     except IntegrityError:
         if not TokenLog.objects.filter(request_id=request.request_id).exists():
             raise  # another constraint failed: not a duplicate
@@ -593,7 +599,10 @@ def _settle_counters(row: TokenLog, *, count_as_used: bool) -> bool:
     except redis.RedisError as exc:
         log.warning("could not settle %s in Redis (reconciliation will retry): %s", row.request_id, exc)
         return False
-    TokenLog.objects.filter(pk=row.pk, counters_settled=False).update(counters_settled=True)
+    if ledger_writer.group_commit_applies():
+        ledger_writer.writer.mark_settled_later(row.pk)  # if lost, reconciliation settles again: a no-op
+    else:
+        TokenLog.objects.filter(pk=row.pk, counters_settled=False).update(counters_settled=True)
     row.counters_settled = True
     return first_time
 

@@ -366,6 +366,9 @@ CEILING_GUARD_TIMEOUT_S = envfloat("CEILING_GUARD_TIMEOUT_S", 0.1, minimum=0.01)
 # A request still "running" this long after admission was lost (worker crash): reconciliation
 # marks it failed and releases its reservation.
 CEILING_RESERVATION_TTL_S = envint("CEILING_RESERVATION_TTL_S", 600, minimum=60)
+# On PostgreSQL, admissions outside a transaction write their ledger rows through one writer thread
+# per process that commits many at once (budgets/ledger_writer.py); each still waits for its commit.
+CEILING_LEDGER_GROUP_COMMIT = envbool("CEILING_LEDGER_GROUP_COMMIT", True)
 # Each worker sweeps lost requests, unsettled counters and unsent alerts this often; 0 turns the
 # sweep off (tests that drive those paths by hand turn it off in their workers, so a sweep cannot race them).
 CEILING_RECONCILE_EVERY_S = envfloat("CEILING_RECONCILE_EVERY_S", 60.0, minimum=0.0)
