@@ -124,6 +124,9 @@ class LedgerWriter:
             for write in batch:
                 write.error = write.error or exc
             connection.close()
+        if self._queue.empty():
+            # Idle: hand the connection back (to the pool, by default), as a request's end does.
+            connection.close()
         self.batches += 1
         self.writes += len(batch)
         for write in batch:
