@@ -52,6 +52,7 @@ class RefCache:
         self.client = client
         self.max_entries = max_entries
         self._refreshed_at = -1e9
+        self._redis_down = False
         self.max_age_s = max_age_s
         self._lock = threading.Lock()
         self._versions: dict[str, bytes | None] = {}
@@ -67,9 +68,12 @@ class RefCache:
             versions = self.client().mget([VERSION_KEY.format(t) for t in TABLES])
         except redis.RedisError as exc:
             # Without versions the cache cannot be trusted: read the database until Redis answers.
-            log.warning("reference cache bypassed: Redis did not answer (%s)", exc)
+            if not self._redis_down:  # once per outage, not once per admission
+                log.warning("reference cache bypassed: Redis did not answer (%s)", exc)
+            self._redis_down = True
             self._bypass.on = True
             return
+        self._redis_down = False
         self._bypass.on = False
         with self._lock:
             self._versions = dict(zip(TABLES, versions, strict=True))

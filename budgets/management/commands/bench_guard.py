@@ -324,6 +324,9 @@ def time_in_processes(step: Step, n: int, warmup: int, processes: int, threads: 
     failed = [r for r in reports if isinstance(r, str)]
     if failed:
         raise CommandError(f"a benchmark process failed: {failed[0]}")
+    writes, commits = sum(r["writes"] for r in reports), sum(r["commits"] for r in reports)
+    if commits:
+        print(f"ledger writer: {writes:,} writes in {commits:,} commits ({writes / commits:.1f} a commit)")
     latencies = [ms for r in reports for ms in r["latencies_ms"]]
     wall_s = max(r["ended"] for r in reports) - min(r["started"] for r in reports)
     return latencies, wall_s
@@ -347,7 +350,8 @@ def _timed_child(step: Step, k: int, share: int, warmup: int, threads: int, read
         ready.wait()
         started = time.time()
         latencies_ms, _ = time_steps(lambda i: step(offset + i), share, 0, threads, first=warmup)
-        results.put({"latencies_ms": latencies_ms, "started": started, "ended": time.time()})
+        results.put({"latencies_ms": latencies_ms, "started": started, "ended": time.time(),
+                     "writes": writer.writes, "commits": writer.batches})
     except Exception as exc:  # noqa: BLE001 - the parent reports it; a child must always answer
         ready.abort()
         results.put(f"{type(exc).__name__}: {exc}")
