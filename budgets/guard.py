@@ -421,10 +421,12 @@ def _mark_admitted(row: TokenLog, result: AdmitResult, served: Candidate, reques
         }
     for name, value in fields.items():
         setattr(row, name, value)
-    if requested is None and ledger_writer.group_commit_applies():
-        ledger_writer.writer.mark_admitted(row)  # shares its commit with the other admissions'
-        return
-    TokenLog.objects.filter(pk=row.pk).update(**fields)
+    shared = requested is None and ledger_writer.group_commit_applies()
+    with ledger_writer.writer.counted():
+        if shared:
+            ledger_writer.writer.mark_admitted(row)  # shares its commit with the other admissions'
+        else:
+            TokenLog.objects.filter(pk=row.pk).update(**fields)
 
 
 def _fallback_refused_too(fallback: Candidate, ceilings: list[Ceiling], refusal: AdmitResult, message: str,
@@ -463,12 +465,14 @@ def _open_row(request, provider, price, ceilings, now, team=None) -> tuple[Token
     # In autocommit mode the INSERT is a transaction of its own; inside a caller's transaction a
     # savepoint keeps a duplicate's IntegrityError from breaking it.
     in_transaction = transaction.atomic() if connection.in_atomic_block else nullcontext()
+    shared = ledger_writer.group_commit_applies()
     try:
-        if ledger_writer.group_commit_applies():
-            ledger_writer.writer.insert(row)  # returns once committed, with the other admissions' rows
-        else:
-            with in_transaction:
-                row.save(force_insert=True)
+        with ledger_writer.writer.counted():
+            if shared:
+                ledger_writer.writer.insert(row)  # returns once committed, with the other admissions' rows
+            else:
+                with in_transaction:
+                    row.save(force_insert=True)
     except IntegrityError:
         if not TokenLog.objects.filter(request_id=request.request_id).exists():
             raise  # another constraint failed: not a duplicate

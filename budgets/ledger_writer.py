@@ -23,16 +23,20 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db import DatabaseError, IntegrityError, close_old_connections, connection, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, connection, connections, transaction
+from django.db.utils import load_backend
 
 from .models import TokenLog
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 500
+IDLE_CLOSE_S = 1.0  # the writer keeps its connection while busy and hands it back after this long idle
 WAIT_S = 10.0  # a caller gives up on a writer that does not answer (the database is away)
 ADMITTED_FIELDS = ("admitted", "max_tokens", "reserved_tokens", "reserved_cost_micro_usd")
 
@@ -52,6 +56,9 @@ class LedgerWriter:
         self._queue: queue.SimpleQueue[_Write] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._pending = 0  # submitted and not yet committed
+        self._active = 0  # admissions' ledger writes under way (counted())
         self.batches = 0
         self.writes = 0
 
@@ -85,6 +92,8 @@ class LedgerWriter:
 
     def _submit(self, write: _Write) -> None:
         self._ensure_started()
+        with self._count_lock:
+            self._pending += 1
         self._queue.put(write)
 
     def _ensure_started(self) -> None:
@@ -95,9 +104,33 @@ class LedgerWriter:
                 self._thread = threading.Thread(target=self._run, name="ledger-writer", daemon=True)
                 self._thread.start()
 
+    @property
+    def busy(self) -> bool:
+        """Whether another ledger write of this process is in flight (through the writer or not):
+        then a new one is better off sharing a commit."""
+        return self._pending > 0 or self._active > 0
+
+    @contextmanager
+    def counted(self) -> Iterator[None]:
+        """Around every admission's ledger write, direct or not, so that `busy` sees it."""
+        with self._count_lock:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._count_lock:
+                self._active -= 1
+
     def _run(self) -> None:
+        _use_own_connection()
         while True:
-            batch = [self._queue.get()]
+            try:
+                first = self._queue.get(timeout=IDLE_CLOSE_S)
+            except queue.Empty:
+                # Idle: hand the connection back (to the pool, by default), as a request's end does.
+                connection.close()
+                continue
+            batch = [first]
             while len(batch) < self.max_batch:
                 try:
                     batch.append(self._queue.get_nowait())
@@ -107,7 +140,6 @@ class LedgerWriter:
 
     def _flush(self, batch: list[_Write]) -> None:
         try:
-            close_old_connections()  # a connection the database dropped is replaced, not reused
             try:
                 with transaction.atomic():
                     _write_together(batch)
@@ -124,9 +156,6 @@ class LedgerWriter:
             for write in batch:
                 write.error = write.error or exc
             connection.close()
-        if self._queue.empty():
-            # Idle: hand the connection back (to the pool, by default), as a request's end does.
-            connection.close()
         self.batches += 1
         self.writes += len(batch)
         for write in batch:
@@ -135,6 +164,8 @@ class LedgerWriter:
                             write.row_id, write.error)
             if write.done is not None:
                 write.done.set()
+        with self._count_lock:
+            self._pending -= len(batch)
 
 
 def _write_together(batch: list[_Write]) -> None:
@@ -149,9 +180,33 @@ def _write_together(batch: list[_Write]) -> None:
         TokenLog.objects.filter(pk__in=settled, counters_settled=False).update(counters_settled=True)
 
 
+def _use_own_connection() -> None:
+    """Give the writer thread a connection of its own, outside the pool and kept open.
+
+    From the pool it could deadlock: admissions hold pooled connections while they wait for the
+    writer, and with the pool exhausted the writer would wait for one of theirs (tests with 48
+    threads did, until the pool's timeout).
+    """
+    params = {**connections.settings[DEFAULT_DB_ALIAS]}
+    params["OPTIONS"] = {k: v for k, v in params.get("OPTIONS", {}).items() if k != "pool"}
+    params["CONN_MAX_AGE"] = None  # closed on an error, or after IDLE_CLOSE_S idle
+    params["CONN_HEALTH_CHECKS"] = False
+    connections[DEFAULT_DB_ALIAS] = load_backend(params["ENGINE"]).DatabaseWrapper(params, DEFAULT_DB_ALIAS)
+
+
 writer = LedgerWriter()
 
 
 def group_commit_applies() -> bool:
-    """Whether this thread's ledger writes go through the writer (see the module's docstring)."""
-    return settings.CEILING_LEDGER_GROUP_COMMIT and connection.vendor == "postgresql" and not connection.in_atomic_block
+    """Whether this thread's ledger write goes through the writer (see the module's docstring).
+
+    Only while another ledger write of this process is under way: a write that would commit alone
+    gains nothing from the thread hop, which cost ~2.5 ms a cycle in `bench_guard` from one thread
+    (docs/benchmarks.md). Under load writes overlap, and they gather behind the writer's commit.
+    """
+    return (
+        settings.CEILING_LEDGER_GROUP_COMMIT
+        and connection.vendor == "postgresql"
+        and not connection.in_atomic_block
+        and writer.busy
+    )
