@@ -368,7 +368,9 @@ CEILING_GUARD_TIMEOUT_S = envfloat("CEILING_GUARD_TIMEOUT_S", 0.1, minimum=0.01)
 CEILING_RESERVATION_TTL_S = envint("CEILING_RESERVATION_TTL_S", 600, minimum=60)
 # On PostgreSQL, admissions outside a transaction write their ledger rows through one writer thread
 # per process that commits many at once (budgets/ledger_writer.py); each still waits for its commit.
-CEILING_LEDGER_GROUP_COMMIT = envbool("CEILING_LEDGER_GROUP_COMMIT", True)
+# Off by default: on a 2-core machine with a local PostgreSQL, where CPU and not commits limits
+# admissions, it measured 10-20% fewer cycles/s (docs/benchmarks.md); try it where commits are dear.
+CEILING_LEDGER_GROUP_COMMIT = envbool("CEILING_LEDGER_GROUP_COMMIT", False)
 # Each worker sweeps lost requests, unsettled counters and unsent alerts this often; 0 turns the
 # sweep off (tests that drive those paths by hand turn it off in their workers, so a sweep cannot race them).
 CEILING_RECONCILE_EVERY_S = envfloat("CEILING_RECONCILE_EVERY_S", 60.0, minimum=0.0)

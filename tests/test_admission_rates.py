@@ -179,6 +179,7 @@ def committed_elsewhere(request_id: str) -> tuple | None:
 
 
 def test_each_admitted_row_is_committed_before_admit_returns(alice, chat_feature, settings):
+    settings.CEILING_LEDGER_GROUP_COMMIT = True
     settings.CEILING_GUARD_TIMEOUT_S = 2.0
     counter_store.cache_clear()
     batches_before, writes_before = ledger_writer.writer.batches, ledger_writer.writer.writes
@@ -202,10 +203,28 @@ def test_each_admitted_row_is_committed_before_admit_returns(alice, chat_feature
 
 
 def test_a_duplicate_request_id_is_refused_through_the_writer(alice, chat_feature):
-    req = request(alice, chat_feature)
-    assert admit(req).admitted
-    assert admit(req).code == "duplicate_request"
-    assert TokenLog.objects.filter(request_id=req.request_id).count() == 1
+    """The writer's batch falls back to one row at a time, and the duplicate hears of its IntegrityError."""
+    first, again = request(alice, chat_feature), request(alice, chat_feature)
+    assert admit(first).admitted
+    row = TokenLog(request_id=first.request_id, user=alice, feature=chat_feature, model="m", prompt_tokens=1,
+                   max_tokens=1, counter_keys=[], created_at=timezone.now())
+    others = [TokenLog(request_id=f"{again.request_id}-{i}", user=alice, feature=chat_feature, model="m",
+                       prompt_tokens=1, max_tokens=1, counter_keys=[], created_at=timezone.now()) for i in range(3)]
+
+    with ThreadPoolExecutor(4) as pool:
+        outcomes = list(pool.map(_insert_through_writer, [row, *others]))
+
+    assert outcomes[0] == "IntegrityError" and outcomes[1:] == ["ok"] * 3
+    assert TokenLog.objects.filter(request_id__startswith=again.request_id).count() == 3
+    assert TokenLog.objects.filter(request_id=first.request_id).count() == 1
+
+
+def _insert_through_writer(row: TokenLog) -> str:
+    try:
+        ledger_writer.writer.insert(row)
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test reads
+        return type(exc).__name__
 
 
 CRASH_AFTER_RESERVING = textwrap.dedent("""
