@@ -173,7 +173,7 @@ def do_raise_alert(
         )
         if not created:
             return None
-        webhooks = [hook for hook in AlertWebhook.objects.filter(enabled=True).select_related("provider") if hook.receives(scope)]
+        webhooks = [hook for hook in AlertWebhook.objects.filter(enabled=True).select_related("provider", "team") if hook.receives(scope)]
         deliveries = WebhookDelivery.objects.bulk_create([WebhookDelivery(alert=alert, webhook=hook) for hook in webhooks])
         # robust: a broker that is away must not fail the caller (the settling of a request), and
         # one channel's task failing to queue must not keep the next from queueing; the rows stay
@@ -416,6 +416,39 @@ def do_create_team(actor: AbstractBaseUser | None, name: str, members: Iterable[
         return team, entries
 
 
+TEAM_ALERT_FIELDS = ("alert_thresholds", "alert_recipients")
+
+
+def do_set_team_alerts(
+    actor: AbstractBaseUser | None, team: Team, *, thresholds: list[int], recipients: str
+) -> list[AuditEntry]:
+    """A team's alert thresholds (percents of its monthly cost cap) and email recipients, audited."""
+    before = snapshot(team, TEAM_ALERT_FIELDS)
+    team.alert_thresholds, team.alert_recipients = thresholds, recipients
+    return do_save_with_audit(actor, team, TEAM_ALERT_FIELDS, before, target=f"team {team.name}")
+
+
+def do_delete_team(actor: AbstractBaseUser | None, team: Team) -> list[AuditEntry]:
+    """Remove a team: its members are released (each audited, in no team afterwards), its caps and
+    webhooks go with it, its ledger rows stay (their team becomes empty) and the trail keeps its name.
+
+    Its Redis counters are left to expire with their period: no admission reads them once nobody
+    is in the team.
+    """
+    with transaction.atomic():
+        team = Team.objects.select_for_update().get(pk=team.pk)
+        entries = []
+        for membership in TeamMembership.objects.filter(team=team).select_related("user").order_by("user_id"):
+            entries += do_set_team(actor, membership.user, None)
+        caps = TeamQuota.objects.filter(team=team).count()
+        hooks = team.webhooks.count()
+        entries += _record(actor, "delete", f"team {team.name}", {
+            "name": (team.name, ""), "caps": (str(caps), ""), "webhooks": (str(hooks), ""),
+        })
+        team.delete()
+        return entries
+
+
 def do_set_team(actor: AbstractBaseUser | None, user: AbstractBaseUser, team: Team | None) -> list[AuditEntry]:
     """Put a user in a team (out of any other: a user is in at most one), or out of every team (None).
 
@@ -488,7 +521,7 @@ def do_set_tag_quota(actor: AbstractBaseUser | None, tag: str, max_cost_micro_us
 
 # --- alert webhooks ------------------------------------------------------------------------------
 
-WEBHOOK_FIELDS = ("provider", "url", "body_format", "enabled")
+WEBHOOK_FIELDS = ("provider", "url", "body_format", "enabled")  # a team's webhook: "team" for "provider"
 SECRET_SHOWN = "(set; shown once)"  # the trail says a secret exists, never what it is
 
 
@@ -501,12 +534,14 @@ def _webhook_text(field: str, value: object) -> str:
 
 
 def do_create_webhook(
-    actor: AbstractBaseUser | None, *, provider, url: str, body_format: str, secret: str
+    actor: AbstractBaseUser | None, *, provider=None, team: Team | None = None, url: str, body_format: str, secret: str
 ) -> tuple[AlertWebhook, list[AuditEntry]]:
-    """A new enabled webhook, and its creation in the audit trail (the secret only as "set")."""
+    """A new enabled webhook (a provider's, a team's, or every alert's), and its creation in the audit
+    trail (the secret only as "set")."""
     with transaction.atomic():
-        hook = AlertWebhook.objects.create(provider=provider, url=url, body_format=body_format, secret=secret)
-        changes = {name: ("", _webhook_text(name, getattr(hook, name))) for name in WEBHOOK_FIELDS}
+        hook = AlertWebhook.objects.create(provider=provider, team=team, url=url, body_format=body_format, secret=secret)
+        fields = ("team", *WEBHOOK_FIELDS[1:]) if team is not None else WEBHOOK_FIELDS
+        changes = {name: ("", _webhook_text(name, getattr(hook, name))) for name in fields}
         changes["secret"] = ("", SECRET_SHOWN)
         return hook, _record(actor, "create", webhook_target(hook), changes)
 

@@ -1,6 +1,7 @@
-"""Spend alerts: a provider's month, measured from the ledger, against its alert thresholds.
+"""Spend alerts: a provider's or a team's month, measured from the ledger, against its alert thresholds.
 
     check_provider_thresholds(provider_id)   # after each settled request: new Alert rows (the outbox)
+    check_team_thresholds(team_id)           # the same for the team the request was admitted under
     check_spend_forecasts()                  # every minute (reconciliation): projected and spike alerts
     deliver_alert(alert_id)                  # in the email task: claim, send once, mark
 
@@ -21,13 +22,14 @@ from django.utils import timezone
 
 from . import forecast as forecasting
 from .actions import do_claim_alert, do_mark_alert_sent, do_raise_alert
-from .models import Alert, Period, Provider, TokenLog
+from .models import Alert, Period, Provider, Team, TeamQuota, TokenLog
 from .money import format_usd
 from .periods import period_bounds, period_key
 
 log = logging.getLogger(__name__)
 
 PROVIDER_SCOPE = "provider:"
+TEAM_SCOPE = "team:"
 NO_RECIPIENTS = "no recipients"
 
 
@@ -48,22 +50,49 @@ def check_provider_thresholds(provider_id: int, at: datetime | None = None) -> l
     provider = Provider.objects.filter(pk=provider_id).first()
     if provider is None or not provider.monthly_limit_micro_usd:
         return []
-    limit = provider.monthly_limit_micro_usd
-    spent = provider_month_spend(provider.pk, at)
+    spent = month_spend({"provider_id": provider.pk}, at)
+    return raise_crossed(provider, provider_scope(provider), spent, provider.monthly_limit_micro_usd, at)
+
+
+def check_team_thresholds(team_id: int, at: datetime | None = None) -> list[int]:
+    """Raise an Alert for every threshold the team's spend this month has reached, as a percent of
+    its monthly cost cap (the all-features one); new ids. No such cap, nothing to alert about.
+
+    The spend is the ledger rows admitted under the team (TokenLog.team), as the guard counts it.
+    """
+    at = at or timezone.now()
+    limit = team_monthly_cap(team_id)  # first: most teams settle requests without one, at one query
+    team = Team.objects.filter(pk=team_id).first() if limit else None
+    if team is None:
+        return []
+    spent = month_spend({"team_id": team_id}, at)
+    return raise_crossed(team, team_scope(team), spent, limit, at)
+
+
+def raise_crossed(owner: Provider | Team, scope: str, spent: int, limit: int, at: datetime) -> list[int]:
+    """One do_raise_alert per threshold of `owner` that `spent` has reached; the ids that are new."""
     month = period_key(Period.MONTH, at)
     new_ids = []
-    for threshold in crossed_thresholds(provider, spent):
+    for threshold in crossed_thresholds(owner, spent, limit):
         alert = do_raise_alert(
-            scope=provider_scope(provider),
+            scope=scope,
             threshold=threshold,
             period_key=month,
             spent_micro_usd=spent,
             limit_micro_usd=limit,
-            recipients=", ".join(provider.recipients()),
+            recipients=", ".join(owner.recipients()),
         )
         if alert is not None:
             new_ids.append(alert.id)
     return new_ids
+
+
+def team_monthly_cap(team_id: int) -> int | None:
+    """The team's monthly cost cap on all features, in micro-dollars; None without one."""
+    return (
+        TeamQuota.objects.filter(team_id=team_id, feature__isnull=True, period=Period.MONTH)
+        .values_list("max_cost_micro_usd", flat=True).first()
+    )
 
 
 def check_provider_thresholds_safely(provider_id: int) -> list[int]:
@@ -76,6 +105,20 @@ def check_provider_thresholds_safely(provider_id: int) -> list[int]:
     except Exception:
         log.exception("spend alert check failed for provider %s", provider_id)
         return []
+
+
+def check_thresholds_after_settle(row: TokenLog) -> list[int]:
+    """The settling path's check: the row's provider (when it has a limit) and the team it was
+    admitted under. Logs, never raises: a request must be settled whatever happens to its alert."""
+    new_ids = []
+    if row.provider_id is not None and row.provider.monthly_limit_micro_usd is not None:
+        new_ids += check_provider_thresholds_safely(row.provider_id)
+    if row.team_id is not None:
+        try:
+            new_ids += check_team_thresholds(row.team_id)
+        except Exception:
+            log.exception("spend alert check failed for team %s", row.team_id)
+    return new_ids
 
 
 def check_spend_forecasts(at: datetime | None = None) -> list[int]:
@@ -122,43 +165,61 @@ def _raised(**fields) -> list[int]:
 
 
 def scope_recipients(scope: str) -> list[str]:
-    """A provider's alert recipients; for other scopes none of their own (the fallback setting applies)."""
-    if scope.startswith(PROVIDER_SCOPE):
-        provider = Provider.objects.filter(name=scope.removeprefix(PROVIDER_SCOPE)).first()
-        return provider.recipients() if provider else []
-    return []
+    """A provider's or team's alert recipients; for other scopes none of their own (the fallback setting applies)."""
+    owner = scope_owner(scope)
+    return owner.recipients() if owner else []
 
 
-def provider_month_spend(provider_id: int, at: datetime) -> int:
-    """Micro-dollars of settled requests in the calendar month of `at`: one aggregate query.
+def month_spend(scope: dict, at: datetime) -> int:
+    """Micro-dollars of settled requests of one scope ({"provider_id": 3}, {"team_id": 2}) in the
+    calendar month of `at`: one aggregate query.
 
     From the ledger, not the guard's Redis counter: the counter also holds reservations of answers
     still running, and is a cache that may be missing; the ledger is what was really spent.
     """
     start, end = period_bounds(Period.MONTH, at)
-    rows = TokenLog.objects.filter(provider_id=provider_id, created_at__gte=start, created_at__lt=end).exclude(
+    rows = TokenLog.objects.filter(**scope, created_at__gte=start, created_at__lt=end).exclude(
         status__in=[TokenLog.Status.RUNNING, TokenLog.Status.REFUSED]
     )
     return rows.aggregate(spent=Sum("cost_micro_usd"))["spent"] or 0
 
 
-def crossed_thresholds(provider: Provider, spent_micro_usd: int) -> list[int]:
-    """The provider's thresholds (percent) that `spent_micro_usd` has reached, in integer arithmetic."""
-    limit = provider.monthly_limit_micro_usd or 0
-    return [pct for pct in valid_thresholds(provider) if spent_micro_usd * 100 >= limit * pct]
+def crossed_thresholds(owner: Provider | Team, spent_micro_usd: int, limit: int | None = None) -> list[int]:
+    """The owner's thresholds (percent) that `spent_micro_usd` has reached, in integer arithmetic.
+
+    `limit` defaults to a provider's monthly limit; a team's is its monthly cost cap (a TeamQuota).
+    """
+    if limit is None:
+        limit = getattr(owner, "monthly_limit_micro_usd", None) or 0
+    return [pct for pct in valid_thresholds(owner) if spent_micro_usd * 100 >= limit * pct]
 
 
-def valid_thresholds(provider: Provider) -> list[int]:
+def valid_thresholds(owner: Provider | Team) -> list[int]:
     """alert_thresholds is free JSON edited by people: keep whole percents from 1 to 1000, once each."""
-    raw = provider.alert_thresholds if isinstance(provider.alert_thresholds, list) else []
+    raw = owner.alert_thresholds if isinstance(owner.alert_thresholds, list) else []
     valid = {pct for pct in raw if isinstance(pct, int) and not isinstance(pct, bool) and 1 <= pct <= 1000}
     if len(valid) != len(raw):
-        log.warning("provider %s: ignoring invalid alert thresholds in %r", provider.name, provider.alert_thresholds)
+        log.warning("%s %s: ignoring invalid alert thresholds in %r", owner._meta.model_name, owner.name,
+                    owner.alert_thresholds)
     return sorted(valid)
 
 
 def provider_scope(provider: Provider) -> str:
     return f"{PROVIDER_SCOPE}{provider.name}"
+
+
+def team_scope(team: Team) -> str:
+    return f"{TEAM_SCOPE}{team.name}"
+
+
+def scope_owner(scope: str) -> Provider | Team | None:
+    """The provider or team an alert scope belongs to ("team:Support/feature:chat" is the team's); else None."""
+    head = scope.split("/", 1)[0]
+    if head.startswith(PROVIDER_SCOPE):
+        return Provider.objects.filter(name=head.removeprefix(PROVIDER_SCOPE)).first()
+    if head.startswith(TEAM_SCOPE):
+        return Team.objects.filter(name=head.removeprefix(TEAM_SCOPE)).first()
+    return None
 
 
 # --- delivering ----------------------------------------------------------------------------------
@@ -191,11 +252,8 @@ def deliver_alert(alert_id: int) -> bool:
 
 
 def alert_recipients(alert: Alert) -> list[str]:
-    """The row's recipients; else the provider's as configured now; else the fallback setting."""
-    addresses = _split(alert.recipients)
-    if not addresses and alert.scope.startswith(PROVIDER_SCOPE):
-        provider = Provider.objects.filter(name=alert.scope.removeprefix(PROVIDER_SCOPE)).first()
-        addresses = provider.recipients() if provider else []
+    """The row's recipients; else the provider's or team's as configured now; else the fallback setting."""
+    addresses = _split(alert.recipients) or scope_recipients(alert.scope)
     return addresses or list(settings.CEILING_ALERT_FALLBACK_EMAILS)
 
 
@@ -221,10 +279,11 @@ def threshold_text(alert: Alert) -> tuple[str, str]:
     ]
     if alert.threshold >= 100:
         lines.append("New requests to it are refused until the limit resets at the start of next month.")
+    owner = "team (staff dashboard, Teams)" if alert.scope.startswith(TEAM_SCOPE) else "provider (staff dashboard, or /admin/)"
     lines += [
         "",
         "You get this email once per threshold and month. The limit, thresholds and recipients are",
-        "settings of the provider (staff dashboard, or /admin/).",
+        f"settings of the {owner}.",
     ]
     return subject, "\n".join(lines) + "\n"
 

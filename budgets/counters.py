@@ -9,13 +9,24 @@ Admission is all-or-nothing across every ceiling that applies: the script checks
 reserves on all of them, in one atomic step on the Redis server. A request may bring a second group
 of ceilings, its feature's fallback: when a cost limit of the first group says no (and none of its
 request or token limits does), the same step checks the fallback's and reserves on those instead.
+
+On a Redis Cluster every key the scripts touch carries the hash tag {ceiling} (ceiling:c:… is stored
+as {ceiling}:c:…), so all counters, in-flight hashes and markers share one slot: an admission across
+any set of ceilings is still one script on one server, exactly as on one Redis. With wait_replicas,
+each admission and settlement waits (WAIT) until that many replicas hold it (fewer when the master
+lists fewer); a replica promoted after its master died then holds every reservation the guard
+answered (docs/scaling.md).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 import redis
+from redis.cluster import RedisCluster
+
+from .redis_clients import cluster_errors_as_redis_errors, node_client, refresh_layout
 
 # KEYS of admit and settle: n counter hashes, then their n in-flight hashes, then one marker.
 # A counter's in-flight hash maps request id → "tokens,cost" reserved by that request. A counter
@@ -178,6 +189,34 @@ return 1
 
 NO_LIMIT = -1
 MARKER_TTL_S = 2 * 24 * 3600
+LOGICAL_PREFIX = "ceiling"  # how the guard names counters (and the ledger's counter_keys record them)
+CLUSTER_PREFIX = "{ceiling}"  # the same names on a cluster: one hash tag, one slot
+
+
+REPLICA_LIST_TTL_S = 1.0
+
+
+class NotReplicated(redis.RedisError):
+    """The write reached the master but not enough replicas within the wait: the guard fails closed."""
+
+
+@dataclass(frozen=True)
+class Acks:
+    acknowledged: int
+    needed: int
+
+    @property
+    def short(self) -> bool:
+        return self.acknowledged < self.needed
+
+    def __str__(self) -> str:
+        return f"{self.acknowledged} of {self.needed} replicas"
+
+
+def replicas_listed(nodes: dict) -> int:
+    """How many replicas a master's CLUSTER NODES (as redis-py parses it) lists for itself."""
+    me = next(node["node_id"] for node in nodes.values() if "myself" in node["flags"].split(","))
+    return sum(1 for node in nodes.values() if node["master_id"] == me)
 
 
 @dataclass(frozen=True)
@@ -244,9 +283,14 @@ class AdmitResult:
 class CounterStore:
     """Atomic admit / settle / install against Redis. Knows nothing about Django."""
 
-    def __init__(self, client: redis.Redis, prefix: str = "ceiling") -> None:
+    def __init__(self, client: redis.Redis | RedisCluster, prefix: str | None = None, *, wait_replicas: int = 0,
+                 wait_timeout_ms: int = 50) -> None:
         self.client = client
-        self.prefix = prefix
+        self.on_cluster = isinstance(client, RedisCluster)
+        self.prefix = prefix or (CLUSTER_PREFIX if self.on_cluster else LOGICAL_PREFIX)  # of the markers
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self._replicas_seen: dict[str, tuple[float, int]] = {}  # server → (when read, replicas listed)
         self._admit = client.register_script(ADMIT_LUA)
         self._settle = client.register_script(SETTLE_LUA)
         self._install = client.register_script(INSTALL_LUA)
@@ -256,6 +300,62 @@ class CounterStore:
 
     def settled_marker(self, request_id: str) -> str:
         return f"{self.prefix}:settled:{request_id}"
+
+    def redis_key(self, counter_key: str) -> str:
+        """Where a counter the guard names ceiling:c:… lives: the same key on one Redis, {ceiling}:c:…
+        on a cluster."""
+        if self.on_cluster and counter_key.startswith(LOGICAL_PREFIX + ":"):
+            return CLUSTER_PREFIX + counter_key[len(LOGICAL_PREFIX) :]
+        return counter_key
+
+    def _run(self, script, keys: list[str], args: list, *, replicated: bool) -> tuple[object, Acks | None]:
+        """Run one script; with replicated and wait_replicas, in the same round trip WAIT until the
+        replicas that could replace its server hold its writes. (reply, acknowledgements or None)."""
+        # Straight to the server that holds the slot (all the keys share it): the cluster client
+        # would hash every key of the call again to find what the first one says.
+        with cluster_errors_as_redis_errors():
+            node = node_client(self.client, keys[0])
+        if not (replicated and self.wait_replicas):
+            return self._routed(lambda: script(keys=keys, args=args, client=node)), None
+
+        def script_then_wait():
+            needed = self._replicas_to_wait_for(node)
+            if not needed:
+                return script(keys=keys, args=args, client=node), Acks(0, 0)
+            # WAIT counts the writes of its own connection: the script and WAIT share one pipeline.
+            with node.pipeline(transaction=False) as pipe:
+                script(keys=keys, args=args, client=pipe)
+                pipe.execute_command("WAIT", needed, self.wait_timeout_ms)
+                reply, acknowledged = pipe.execute()
+            return reply, Acks(int(acknowledged), needed)
+
+        return self._routed(script_then_wait)
+
+    def _replicas_to_wait_for(self, node: redis.Redis) -> int:
+        """wait_replicas, or fewer when the cluster lists fewer replicas of this master (failed ones
+        count: they could still be promoted). None listed, none can take over with an old copy:
+        a master promoted by a failover admits at once, and waits again once a replica rejoins.
+        The list is read at most once a second per process (CLUSTER NODES)."""
+        if not self.on_cluster:
+            return self.wait_replicas
+        address = node.get_connection_kwargs()
+        name = f"{address.get('host')}:{address.get('port')}"
+        seen = self._replicas_seen.get(name)
+        now = time.monotonic()
+        if seen is None or now - seen[0] > REPLICA_LIST_TTL_S:
+            seen = self._replicas_seen[name] = (now, replicas_listed(node.execute_command("CLUSTER NODES")))
+        return min(self.wait_replicas, seen[1])
+
+    def _routed(self, call):
+        # A master that died or a slot that moved: read the layout again before the next call, and
+        # let this one fail (the guard refuses it, fail closed; nothing is retried blindly, since
+        # an admission whose reply was lost may have run).
+        try:
+            return call()
+        except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.MovedError,
+                redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError):
+            refresh_layout(self.client)
+            raise
 
     def admit(
         self,
@@ -277,20 +377,35 @@ class CounterStore:
         for spec in specs:
             limits = spec.limits
             args += [_limit(limits.requests), _limit(limits.tokens), _limit(limits.cost_micro_usd), spec.ttl_s]
-        keys = [spec.key for spec in specs] + [in_flight_key(spec.key) for spec in specs]
+        keys = [self.redis_key(spec.key) for spec in specs]
+        keys += [in_flight_key(key) for key in keys]
         keys.append(self.admitted_marker(request_id))
-        return _admit_result([_text(item) for item in self._admit(keys=keys, args=args)])
+        reply, acks = self._run(self._admit, keys, args, replicated=True)
+        result = _admit_result([_text(item) for item in reply])
+        if result.status == "ok" and acks is not None and acks.short:
+            # A failover now could promote a replica without this reservation: never serve on it.
+            self.settle(request_id, [spec.key for spec in specs], used_tokens=0, used_cost_micro_usd=0,
+                        count_as_used=False, replicated=False)
+            raise NotReplicated(f"{acks} acknowledged the admission within {self.wait_timeout_ms} ms; it was released")
+        return result
 
     def settle(self, request_id: str, keys: list[str], *, used_tokens: int, used_cost_micro_usd: int,
-               count_as_used: bool = True) -> bool:
+               count_as_used: bool = True, replicated: bool = True) -> bool:
         """Release the request's reservation on every counter that holds it and count what it used.
 
         count_as_used=False only releases (a request that never ran). False if already settled.
+        NotReplicated when too few replicas hold it: the caller settles again later (a replay on
+        the same master changes nothing; on a promoted replica that lost it, it applies).
         """
-        reply = self._settle(
-            keys=[*keys, *(in_flight_key(key) for key in keys), self.settled_marker(request_id)],
-            args=[MARKER_TTL_S, request_id, used_tokens, used_cost_micro_usd, "1" if count_as_used else "0"],
+        keys = [self.redis_key(key) for key in keys]
+        reply, acks = self._run(
+            self._settle,
+            [*keys, *(in_flight_key(key) for key in keys), self.settled_marker(request_id)],
+            [MARKER_TTL_S, request_id, used_tokens, used_cost_micro_usd, "1" if count_as_used else "0"],
+            replicated=replicated,
         )
+        if acks is not None and acks.short:
+            raise NotReplicated(f"{acks} acknowledged the settlement")
         return bool(reply)
 
     def install(self, key: str, used: Usage, reserved: Usage, ttl_s: int,
@@ -300,15 +415,19 @@ class CounterStore:
         args: list = [used.requests, used.tokens, used.cost_micro_usd, reserved.requests, reserved.tokens, reserved.cost_micro_usd, ttl_s]
         for request_id, (tokens, cost) in (in_flight or {}).items():
             args += [request_id, f"{tokens},{cost}"]
-        return bool(self._install(keys=[key, in_flight_key(key)], args=args))
+        # Not waited for: an install a failover loses leaves the counter missing, so it is rebuilt;
+        # and an admission's WAIT covers every write before it, this install included.
+        key = self.redis_key(key)
+        reply, _ = self._run(self._install, [key, in_flight_key(key)], args, replicated=False)
+        return bool(reply)
 
     def held(self, key: str) -> dict[str, tuple[int, int]]:
         """The reservations a counter holds: request id → (tokens, micro-dollars)."""
-        raw = self.client.hgetall(in_flight_key(key))
+        raw = self.client.hgetall(in_flight_key(self.redis_key(key)))
         return {rid.decode(): tuple(int(x) for x in value.decode().split(",")) for rid, value in raw.items()}
 
     def state(self, key: str) -> CounterState | None:
-        values = self.client.hmget(key, "ok", "ur", "ut", "uc", "rr", "rt", "rc")
+        values = self.client.hmget(self.redis_key(key), "ok", "ur", "ut", "uc", "rr", "rt", "rc")
         if values[0] is None:
             return None
         ur, ut, uc, rr, rt, rc = (int(v or 0) for v in values[1:])

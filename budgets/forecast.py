@@ -1,7 +1,8 @@
 """When each cost cap runs out at the current rate, and which days' spend is a spike.
 
 Read-only, from the ledger: every cap's daily spend comes from one GROUP BY (scope, local day)
-query per kind of scope, never row by row.
+query per kind of scope, never row by row (tags, kept as text on each row, from one GROUP BY local
+day with a conditional sum per capped tag).
 
 The rate. Over the trailing window (today so far and the 6 full days before it, fewer when the
 scope is younger), spend is assumed uniform inside each day: base × factor(weekday) per day. With
@@ -23,13 +24,14 @@ from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
 
 from django.contrib.auth import get_user_model
-from django.db.models import Count, Sum
+from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncDate
 
 from .guard import SETTLED
-from .models import Period, Provider, Quota, TeamQuota, TokenLog
+from .models import Period, Provider, Quota, TagQuota, TeamQuota, TokenLog
 from .money import format_usd
 from .periods import local_zone, period_bounds
+from .tags import tags_text
 
 TRAILING_FULL_DAYS = 6  # plus today so far: a 7-day window
 WEEKDAY_AWARE_AFTER_DAYS = 21
@@ -37,6 +39,7 @@ MAX_WEEKS = 8
 LOOKBACK_DAYS = 7 * MAX_WEEKS  # covers the weekday weeks and any month so far
 SPIKE_FACTOR = 3
 SPIKE_MEDIAN_DAYS = 7
+TAG_GROUP = ("tag",)  # not a column: a tag's rows are those whose tags text holds ",name,"
 # A projection barely before the reset is noise, not news: alert only when it is at least this early.
 MIN_EARLY = {Period.DAY: timedelta(hours=1), Period.MONTH: timedelta(days=1)}
 
@@ -271,9 +274,17 @@ def team_caps(team_ids: list[int] | None = None) -> list[CostCap]:
     return caps
 
 
+def tag_caps(tags: list[str] | None = None) -> list[CostCap]:
+    """Every tag's monthly cost cap (TagQuota), whoever sends the requests. `tags` limits it."""
+    rows = TagQuota.objects.filter(max_cost_micro_usd__gt=0)
+    if tags is not None:
+        rows = rows.filter(tag__in=tags)
+    return [CostCap(f"tag:{q.tag}", Period.MONTH, q.max_cost_micro_usd, TAG_GROUP, (q.tag,)) for q in rows.order_by("tag")]
+
+
 def all_cost_caps(now: datetime) -> list[CostCap]:
     providers = list(Provider.objects.filter(monthly_limit_micro_usd__isnull=False).order_by("name"))
-    return provider_caps(providers) + user_caps(now) + team_caps()
+    return provider_caps(providers) + user_caps(now) + team_caps() + tag_caps()
 
 
 def histories(caps: list[CostCap], now: datetime) -> dict[tuple, History]:
@@ -285,6 +296,9 @@ def histories(caps: list[CostCap], now: datetime) -> dict[tuple, History]:
         wanted[cap.group].add(cap.key)
     out: dict[tuple, History] = {}
     for group, keys in wanted.items():
+        if group == TAG_GROUP:
+            out |= tag_histories(sorted(tag for (tag,) in keys), since, now)
+            continue
         rows = TokenLog.objects.filter(SETTLED, created_at__gte=since, created_at__lt=now)
         for position, name in enumerate(group):
             rows = rows.filter(**{f"{name}__in": {key[position] for key in keys}})
@@ -300,6 +314,27 @@ def histories(caps: list[CostCap], now: datetime) -> dict[tuple, History]:
             days = daily.get(key, {})
             out[(group, key)] = History(days, min(days) if days else None)
     return out
+
+
+def tag_histories(tags: list[str], since: datetime, now: datetime) -> dict[tuple, History]:
+    """(TAG_GROUP, (tag,)) → History for these tags: one query, grouped by local day, with a
+    conditional sum per tag (a row with two capped tags counts for both, as the guard counts it)."""
+    matching = [Q(tags__contains=tags_text([tag])) for tag in tags]
+    any_tag = Q()
+    for one in matching:
+        any_tag |= one
+    rows = (
+        TokenLog.objects.filter(SETTLED, any_tag, created_at__gte=since, created_at__lt=now)
+        .annotate(day=TruncDate("created_at", tzinfo=local_zone()))
+        .order_by().values("day")
+        .annotate(**{f"t{i}": Sum("cost_micro_usd", filter=one) for i, one in enumerate(matching)})
+    )
+    daily: dict[str, dict[date, int]] = defaultdict(dict)
+    for row in rows:
+        for i, tag in enumerate(tags):
+            if row[f"t{i}"] is not None:  # NULL: no row of this tag that day (0 is a day of free requests)
+                daily[tag][row["day"]] = row[f"t{i}"]
+    return {(TAG_GROUP, (tag,)): History(daily[tag], min(daily[tag]) if daily[tag] else None) for tag in tags}
 
 
 def forecasts(caps: list[CostCap], now: datetime) -> list[Forecast]:

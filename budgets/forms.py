@@ -589,6 +589,10 @@ class WebhookForm(forms.Form):
         queryset=Provider.objects.order_by("name"), required=False, empty_label="every alert",
         label="Alerts of", help_text="A provider's alerts, or every alert (users' caps, spikes, all providers).",
     )
+    team = forms.ModelChoiceField(
+        queryset=Team.objects.order_by("name"), required=False, empty_label="—",
+        label="or a team's", help_text="A team's alerts: its thresholds, projections and spikes.",
+    )
     url = forms.URLField(label="URL", max_length=500, assume_scheme="https")
     body_format = forms.ChoiceField(label="Body", choices=AlertWebhook.BodyFormat.choices, initial=AlertWebhook.BodyFormat.JSON)
 
@@ -597,6 +601,45 @@ class WebhookForm(forms.Form):
         if not url.startswith(("http://", "https://")):
             raise ValidationError("A webhook URL starts with http:// or https://.")
         return url
+
+    def clean(self) -> dict:
+        cleaned = super().clean()
+        if cleaned.get("provider") and cleaned.get("team"):
+            raise ValidationError("A webhook receives one provider's alerts or one team's, not both.")
+        return cleaned
+
+
+class TeamWebhookForm(WebhookForm):
+    """A webhook on the team page: the team is the page's, so only where and how."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        del self.fields["provider"]
+        del self.fields["team"]
+
+
+class TeamAlertsForm(forms.Form):
+    """A team's alert thresholds (percents of its monthly cost cap) and its email recipients."""
+
+    thresholds = forms.CharField(
+        label="Alert thresholds (%)", required=False,
+        help_text="Percents of the team's monthly cost cap, e.g. 50, 80, 100. Empty: no threshold alerts.",
+    )
+    recipients = forms.CharField(
+        label="Alert recipients", required=False,
+        help_text="Email addresses, separated by commas. Empty: the fallback recipients of every alert.",
+    )
+
+    def __init__(self, *args, team: Team, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.initial.setdefault("thresholds", ", ".join(str(t) for t in team.alert_thresholds))
+        self.initial.setdefault("recipients", ", ".join(team.recipients()))
+
+    def clean_thresholds(self) -> list[int]:
+        return parse_thresholds(self.cleaned_data["thresholds"])
+
+    def clean_recipients(self) -> str:
+        return ", ".join(parse_recipients(self.cleaned_data["recipients"]))
 
 
 # --- an API key's own caps -------------------------------------------------------------------------

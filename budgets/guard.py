@@ -25,7 +25,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
-from . import ledger_writer, refcache
+from . import ledger_writer, redis_clients, refcache
 from .counters import AdmitResult, CounterGroup, CounterSpec, CounterStore, Limits, Usage
 from .live import publish_on_commit
 from .models import (
@@ -60,14 +60,14 @@ class GuardUnavailable(RuntimeError):
 @lru_cache(maxsize=1)
 def counter_store() -> CounterStore:
     # Short timeouts and no retries: when Redis is gone the guard must say so quickly (fail closed).
-    client = redis.Redis.from_url(
-        settings.REDIS_URL,
+    client = redis_clients.sync_client(
+        redis_clients.counters_url(),
         socket_connect_timeout=settings.CEILING_GUARD_TIMEOUT_S,
         socket_timeout=settings.CEILING_GUARD_TIMEOUT_S,
-        retry_on_timeout=False,
-        retry=None,
+        no_retries=True,
     )
-    return CounterStore(client)
+    return CounterStore(client, wait_replicas=settings.CEILING_COUNTERS_WAIT_REPLICAS,
+                        wait_timeout_ms=settings.CEILING_COUNTERS_WAIT_MS)
 
 
 # --- which ceilings apply ------------------------------------------------------------------------

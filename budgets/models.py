@@ -227,15 +227,24 @@ tag_validator = RegexValidator(TAG_RE, f"A tag is {TAG_RULE}.")
 
 
 class Team(models.Model):
-    """People who share caps: every member's requests also count against the team's (TeamQuota)."""
+    """People who share caps: every member's requests also count against the team's (TeamQuota).
+
+    Its alert thresholds are percents of its monthly cost cap (the all-features month TeamQuota);
+    alerts of its scope go to its recipients and to its own webhooks (AlertWebhook.team).
+    """
 
     objects = ReferenceQuerySet.as_manager()
 
     name = models.CharField(max_length=64, unique=True)
+    alert_thresholds = models.JSONField(default=default_thresholds, help_text="Percentages of the monthly cost cap.")
+    alert_recipients = models.TextField(blank=True, help_text="Comma-separated email addresses.")
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
         return self.name
+
+    def recipients(self) -> list[str]:
+        return [address.strip() for address in self.alert_recipients.split(",") if address.strip()]
 
 
 class TeamMembership(models.Model):
@@ -459,8 +468,9 @@ class Alert(models.Model):
         SPIKE = "spike"  # a day's spend above 3x the trailing median
 
     kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.THRESHOLD)
-    # "provider:local", "user:alice", "user:alice/feature:chat"; a team or tag scope will read "team:…".
-    scope = models.CharField(max_length=100)
+    # "provider:local", "user:alice", "user:alice/feature:chat", "team:Support/feature:chat", "tag:beta":
+    # long enough for the longest names (a 150-character username and a 64-character feature).
+    scope = models.CharField(max_length=300)
     threshold = models.PositiveSmallIntegerField()  # percent for THRESHOLD; 0 for the others
     period_key = models.CharField(max_length=16)  # "2026-12" or "2026-12-03": the period is in the key
     spent_micro_usd = models.BigIntegerField()
@@ -488,10 +498,10 @@ class Alert(models.Model):
 
 
 class AlertWebhook(models.Model):
-    """A URL that receives alerts as a signed POST: one provider's, or (provider empty) every alert.
+    """A URL that receives alerts as a signed POST: one provider's, one team's, or (both empty) every alert.
 
-    The scope is a nullable foreign key per kind of scope, so a rename or a deletion follows the
-    provider; a team or tag scope is one more nullable key (and at most one of them set).
+    The scope is a nullable foreign key per kind of scope (at most one of them set), so a rename or
+    a deletion follows the provider or team.
     """
 
     class BodyFormat(models.TextChoices):
@@ -502,6 +512,10 @@ class AlertWebhook(models.Model):
         Provider, null=True, blank=True, on_delete=models.CASCADE, related_name="webhooks",
         help_text="empty: every alert, whatever its scope",
     )
+    team = models.ForeignKey(
+        Team, null=True, blank=True, on_delete=models.CASCADE, related_name="webhooks",
+        help_text="the team's alerts: its caps' thresholds, projections and spikes",
+    )
     url = models.URLField(max_length=500)
     # Kept as is: signing needs the secret itself. Shown to staff once, when the webhook is created.
     secret = models.CharField(max_length=64)
@@ -509,16 +523,35 @@ class AlertWebhook(models.Model):
     enabled = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(provider__isnull=True) | models.Q(team__isnull=True), name="webhook_one_scope"
+            )
+        ]
+
     def __str__(self) -> str:
         return f"webhook {self.pk} ({self.scope_text}) {self.url}"
 
     @property
     def scope_text(self) -> str:
-        return f"provider {self.provider.name}" if self.provider_id else "every alert"
+        if self.provider_id:
+            return f"provider {self.provider.name}"
+        if self.team_id:
+            return f"team {self.team.name}"
+        return "every alert"
 
     def receives(self, scope: str) -> bool:
-        """Does an alert of this scope go to this webhook? (scope as Alert.scope spells it)"""
-        return self.provider_id is None or scope == f"provider:{self.provider.name}"
+        """Does an alert of this scope go to this webhook? (scope as Alert.scope spells it)
+
+        A team's webhook takes every alert of the team: "team:Support" and its per-feature caps'
+        "team:Support/feature:chat".
+        """
+        if self.provider_id:
+            return scope == f"provider:{self.provider.name}"
+        if self.team_id:
+            return scope.split("/", 1)[0] == f"team:{self.team.name}"
+        return True
 
 
 class WebhookDelivery(models.Model):

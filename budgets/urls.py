@@ -13,6 +13,7 @@ urlpatterns = [
     path("staff/users/<int:user_id>/", config.user_detail, name="staff-user"),
     path("staff/teams/", teams.teams, name="staff-teams"),
     path("staff/teams/<int:team_id>/", teams.team_detail, name="staff-team"),
+    path("staff/teams/<int:team_id>/delete/", teams.team_delete, name="staff-team-delete"),
     path("staff/tags/", teams.tags, name="staff-tags"),
     path("staff/defaults/", config.defaults, name="staff-defaults"),
     path("staff/features/", config.features, name="staff-features"),

@@ -8,16 +8,18 @@ result), never one per TokenLog row, and does the percentiles in Python on those
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from django.contrib.auth import get_user_model
 from django.db.models import Count, F, Q, QuerySet, Sum
 
+from accounts.models import ApiKey
+
 from .actions import QUOTA_FIELDS
 from .counters import Usage
-from .guard import IN_FLIGHT, SETTLED, Scopes, applicable_ceilings, ledger_sums
-from .models import Feature, Period, Provider, Quota, TokenLog
+from .guard import IN_FLIGHT, SETTLED, Ceiling, Scopes, applicable_ceilings, ledger_sums, request_scopes
+from .models import Feature, Period, Provider, Quota, Team, TokenLog
 from .money import format_usd
 from .periods import describe_reset, period_bounds
 
@@ -368,43 +370,109 @@ class MyUsage:
     today: Totals
     month: Totals
     caps: list[CapUsage]
+    team: Team | None = None
+    # The team's caps, used by every member together; and each of the user's API keys' own caps.
+    team_caps: list[CapUsage] = field(default_factory=list)
+    key_caps: list[CapUsage] = field(default_factory=list)
 
     @property
     def periods(self) -> list[tuple[str, Totals]]:
         return [("Today", self.today), ("This month", self.month)]
 
 
-def my_usage(user, now: datetime) -> MyUsage:
-    """The caps the guard would apply to this user (per enabled feature), and what is left of each.
+OWN_SCOPES = ("user", "feature")
+TEAM_SCOPES = ("team", "team_feature")
 
-    Uses the guard's own applicable_ceilings() so this page can never disagree with a refusal;
-    all the used amounts come from one aggregate query over the user's rows this month.
+
+def my_usage(user, now: datetime) -> MyUsage:
+    """The caps the guard would apply to this user (per enabled feature), and what is left of each:
+    the user's own, the team's (shared with its members) and each active API key's.
+
+    Uses the guard's own applicable_ceilings() so this page can never disagree with a refusal; the
+    user's amounts come from one aggregate query over the user's rows this month, the team's and
+    keys' from one more over the team's and the keys' rows (only when there are such caps).
     """
-    ceilings = {}
+    scopes = request_scopes(user)
+    team_scopes = Scopes(scopes.team, scopes.team_quotas)
+    own: dict[str, Ceiling] = {}
+    team: dict[str, Ceiling] = {}
+    served = _features_and_providers()
+    for feature, provider in served:
+        for ceiling in applicable_ceilings(user, feature, provider, now, None, team_scopes):
+            # The provider's monthly limit is everyone's, not this user's allowance.
+            if ceiling.scope in OWN_SCOPES:
+                own.setdefault(ceiling.spec.key, ceiling)
+            elif ceiling.scope in TEAM_SCOPES:
+                team.setdefault(ceiling.spec.key, ceiling)
+    keys = _key_ceilings_of(user, served[0] if served else None, now)
+    sums = _ledger_sums(Q(user=user), list(own.values()), now)
+    shared = list(team.values()) + [ceiling for _, ceiling in keys]
+    shared_sums = _ledger_sums(_rows_of(scopes.team, {key for key, _ in keys}), shared, now) if shared else {}
+    names = {ceiling.spec.key: f"API key {key.name!r}" for key, ceiling in keys}
+    return MyUsage(
+        today=Totals(sums["day_r"], sums["day_t"] or 0, sums["day_c"] or 0, sums["day_refused"]),
+        month=Totals(sums["month_r"], sums["month_t"] or 0, sums["month_c"] or 0, sums["month_refused"]),
+        caps=_sorted(_cap_usage(i, c, sums, now, _own_where(c)) for i, c in enumerate(own.values())),
+        team=scopes.team,
+        team_caps=_sorted(_cap_usage(i, c, shared_sums, now, _team_where(c)) for i, c in enumerate(shared)
+                          if c.scope in TEAM_SCOPES),
+        key_caps=_sorted(_cap_usage(i, c, shared_sums, now, names[c.spec.key]) for i, c in enumerate(shared)
+                         if c.scope == "key"),
+    )
+
+
+def _features_and_providers() -> list[tuple[Feature, Provider]]:
+    """Every enabled feature with the provider that serves it (the default one when it names none)."""
     default_provider = None
+    served = []
     for feature in Feature.objects.filter(enabled=True).select_related("provider").order_by("name"):
         provider = feature.provider
         if provider is None:
             default_provider = default_provider or Provider.default()
             provider = default_provider
-        # Scopes(): the user's own caps only; a team's, key's or tag's usage is not this user's alone.
-        for ceiling in applicable_ceilings(user, feature, provider, now, None, Scopes()):
-            # The provider's monthly limit is everyone's, not this user's allowance.
-            if ceiling.scope in ("user", "feature"):
-                ceilings.setdefault(ceiling.spec.key, ceiling)
-    ceilings = list(ceilings.values())
-    sums = _ledger_sums(user, ceilings, now)
-    caps = [_cap_usage(i, ceiling, sums, now) for i, ceiling in enumerate(ceilings)]
-    caps.sort(key=lambda cap: (cap.period != Period.DAY, cap.title))
-    return MyUsage(
-        today=Totals(sums["day_r"], sums["day_t"] or 0, sums["day_c"] or 0, sums["day_refused"]),
-        month=Totals(sums["month_r"], sums["month_t"] or 0, sums["month_c"] or 0, sums["month_refused"]),
-        caps=caps,
-    )
+        served.append((feature, provider))
+    return served
 
 
-def _ledger_sums(user, ceilings: list, now: datetime) -> dict:
-    """One query: today's and this month's totals, and used/in-progress per ceiling (as guard.ledger_sums)."""
+def _key_ceilings_of(user, served: tuple[Feature, Provider] | None, now: datetime) -> list[tuple]:
+    """(key, ceiling) for each cap of each of the user's active API keys (a key's caps are the same
+    whatever the feature, so any feature asks the guard)."""
+    if served is None:
+        return []
+    found = []
+    for key in ApiKey.objects.active().filter(user=user).order_by("name", "pk"):
+        for ceiling in applicable_ceilings(user, *served, now, None, Scopes(api_key=key)):
+            if ceiling.scope == "key":
+                found.append((key, ceiling))
+    return found
+
+
+def _rows_of(team: Team | None, keys: set) -> Q:
+    """The ledger rows the team's and the keys' caps count (whoever in the team sent them)."""
+    rows = Q(pk__in=[])
+    if team is not None:
+        rows |= Q(team=team)
+    if keys:
+        rows |= Q(api_key__in=[key.pk for key in keys])
+    return rows
+
+
+def _own_where(ceiling: Ceiling) -> str:
+    return "all features" if ceiling.scope == "user" else f"feature {ceiling.subject.removeprefix('your ')}"
+
+
+def _team_where(ceiling: Ceiling) -> str:
+    team = ceiling.subject.removeprefix("your ")
+    return f"{team}, all features" if ceiling.scope == "team" else f"{team}, feature {ceiling.feature_name!r}"
+
+
+def _sorted(caps) -> list[CapUsage]:
+    return sorted(caps, key=lambda cap: (cap.period != Period.DAY, cap.title))
+
+
+def _ledger_sums(rows: Q, ceilings: list, now: datetime) -> dict:
+    """One query over `rows` this month: today's and this month's totals, and used/in-progress per
+    ceiling (as guard.ledger_sums counts them)."""
     month_start, month_end = period_bounds(Period.MONTH, now)
     day_start, day_end = period_bounds(Period.DAY, now)
     tokens = F("prompt_tokens") + F("completion_tokens")
@@ -430,12 +498,12 @@ def _ledger_sums(user, ceilings: list, now: datetime) -> dict:
             f"c{i}_rt": Sum("reserved_tokens", filter=scope & IN_FLIGHT),
             f"c{i}_rc": Sum("reserved_cost_micro_usd", filter=scope & IN_FLIGHT),
         }
-    return TokenLog.objects.filter(user=user, created_at__gte=month_start, created_at__lt=month_end).aggregate(
+    return TokenLog.objects.filter(rows, created_at__gte=month_start, created_at__lt=month_end).aggregate(
         **aggregates
     )
 
 
-def _cap_usage(i: int, ceiling, sums: dict, now: datetime) -> CapUsage:
+def _cap_usage(i: int, ceiling, sums: dict, now: datetime, where: str) -> CapUsage:
     limits = ceiling.spec.limits
     allowances = []
     for metric, limit, suffix in (
@@ -446,7 +514,6 @@ def _cap_usage(i: int, ceiling, sums: dict, now: datetime) -> CapUsage:
         if limit is not None:
             allowances.append(Allowance(metric, limit, sums[f"c{i}_u{suffix}"] or 0, sums[f"c{i}_r{suffix}"] or 0))
     when = "Today" if ceiling.period == Period.DAY else "This month"
-    where = "all features" if ceiling.scope == "user" else f"feature {ceiling.subject.removeprefix('your ')}"
     return CapUsage(ceiling.period, f"{when} · {where}", describe_reset(ceiling.period, now), allowances)
 
 

@@ -9,7 +9,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
 from budgets.actions import Usage, do_record_usage, do_save_with_audit, snapshot
-from budgets.alerts import check_provider_thresholds_safely
+from budgets.alerts import check_thresholds_after_settle
 from budgets.guard import AdmissionRequest, Decision, Fallback, LoopLimits, admit, settle
 from budgets.models import AuditEntry, Feature, RetrievalFacts, TokenLog, unique_row
 
@@ -106,12 +106,14 @@ def worker_lost_event(request_id: str, tokens: int) -> dict:
     return {"type": "error", "request_id": request_id, "code": "worker_lost", "message": WORKER_LOST_MESSAGE.format(tokens=tokens)}
 
 
-def do_fail_lost_request(request_id: str, *, tokens: int, text: str = "", prompt_tokens: int | None = None) -> TokenLog | None:
+def do_fail_lost_request(request_id: str, *, tokens: int, text: str = "", prompt_tokens: int | None = None,
+                         error: str = "") -> TokenLog | None:
     """Settle a request whose worker died: failed, with the tokens that worker recorded as streamed
     (inference/bus/ownership.py), its ownership record dropped and its reservation released.
 
     None when it was settled already (by its worker, a web process or another sweeping worker): the
-    first one wins, the others change nothing. text: what the waiting web process received, if any.
+    first one wins, the others change nothing. text: what the waiting web process received, if any;
+    error: the ledger's reason, when it is not a dead worker's.
     """
     from .bus.ownership import release_claim
 
@@ -124,7 +126,7 @@ def do_fail_lost_request(request_id: str, *, tokens: int, text: str = "", prompt
             request_id, status=TokenLog.Status.FAILED,
             prompt_tokens=row.prompt_tokens if prompt_tokens is None else prompt_tokens, completion_ids=[],
             completion_tokens=tokens, text=text, finish_reason="", ttft_ms=None,
-            error=WORKER_LOST_ERROR.format(tokens=tokens),
+            error=error or WORKER_LOST_ERROR.format(tokens=tokens),
         )
     release_claim(request_id)
     if settled is not None:
@@ -138,8 +140,8 @@ def settle_reservation(request_id: str) -> bool:
     if row is None or row.status in (TokenLog.Status.RUNNING, TokenLog.Status.REFUSED) or not row.admitted:
         return False
     settled = settle(row)
-    if settled and row.provider is not None and row.provider.monthly_limit_micro_usd is not None:
-        check_provider_thresholds_safely(row.provider_id)  # logs, never raises: settling must not fail
+    if settled:
+        check_thresholds_after_settle(row)  # the provider's and the team's; logs, never raises
     return settled
 
 

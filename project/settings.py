@@ -122,9 +122,34 @@ def celery_url_from_redis_url(url: str) -> str:
     return url
 
 
+# Spelled as in budgets/redis_clients.py, which builds the clients (settings import no app).
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+
+
 def check_redis_url(url: str) -> str:
-    if urlparse(url).scheme not in ("redis", "rediss", "unix"):
+    scheme = urlparse(url).scheme
+    if scheme in CLUSTER_SCHEMES:
+        raise ImproperlyConfigured(
+            f"REDIS_URL={url!r}: Celery's broker and the channel layer need one Redis server; "
+            "name the cluster in CEILING_COUNTERS_URL instead"
+        )
+    if scheme not in ("redis", "rediss", "unix"):
         raise ImproperlyConfigured(f"REDIS_URL={url!r} must start with redis://, rediss:// or unix://")
+    return url
+
+
+def check_counters_url(url: str) -> str:
+    """One Redis (as REDIS_URL) or a Redis / Valkey Cluster: redis+cluster://host:port (database 0 only)."""
+    if not url:
+        return url
+    parsed = urlparse(url)
+    if parsed.scheme not in ("redis", "rediss", "unix", *CLUSTER_SCHEMES):
+        raise ImproperlyConfigured(
+            f"CEILING_COUNTERS_URL={url!r} must start with redis://, rediss://, unix://, "
+            "redis+cluster:// or rediss+cluster://"
+        )
+    if parsed.scheme in CLUSTER_SCHEMES and parsed.path.strip("/") not in ("", "0"):
+        raise ImproperlyConfigured(f"CEILING_COUNTERS_URL={url!r}: a Redis Cluster has only database 0")
     return url
 
 
@@ -260,6 +285,17 @@ CHANNEL_LAYERS = {
 }
 
 CELERY_BROKER_URL = celery_url_from_redis_url(REDIS_URL)
+
+# --- Redis for the guard's counters, the answer and retrieval caches and the stream inboxes ----
+# May name a Redis (or Valkey) Cluster; empty: the REDIS_URL server (budgets/redis_clients.py). See docs/scaling.md.
+CEILING_COUNTERS_URL = check_counters_url(envstr("CEILING_COUNTERS_URL", ""))
+# After each admission the guard waits (WAIT) until this many replicas hold it (fewer when the
+# master lists fewer): a replica promoted when its master dies then holds every reservation that
+# was answered. Fewer within the timeout → released and refused (fail closed). 1 on a cluster, 0 on one Redis.
+CEILING_COUNTERS_WAIT_REPLICAS = envint(
+    "CEILING_COUNTERS_WAIT_REPLICAS", 1 if urlparse(CEILING_COUNTERS_URL).scheme in CLUSTER_SCHEMES else 0, minimum=0
+)
+CEILING_COUNTERS_WAIT_MS = envint("CEILING_COUNTERS_WAIT_MS", 50, minimum=1)
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ROUTES = {"inference.tasks.*": {"queue": "inference"}}
@@ -363,6 +399,13 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CEILING_BROKER_VISIBILI
 # --- The budget guard ---------------------------------------------------------------------------
 # Redis round trips of the guard give up after this long: refusing fast beats hanging (fail closed).
 CEILING_GUARD_TIMEOUT_S = envfloat("CEILING_GUARD_TIMEOUT_S", 0.1, minimum=0.01)
+if CEILING_COUNTERS_WAIT_REPLICAS and CEILING_COUNTERS_WAIT_MS >= CEILING_GUARD_TIMEOUT_S * 1000:
+    # The admission's reply comes after the WAIT: a socket that gives up first would refuse every
+    # request whose replica is slow, without releasing its reservation at once.
+    raise ImproperlyConfigured(
+        f"CEILING_COUNTERS_WAIT_MS={CEILING_COUNTERS_WAIT_MS} must be below CEILING_GUARD_TIMEOUT_S "
+        f"({CEILING_GUARD_TIMEOUT_S * 1000:g} ms)"
+    )
 # A request still "running" this long after admission was lost (worker crash): reconciliation
 # marks it failed and releases its reservation.
 CEILING_RESERVATION_TTL_S = envint("CEILING_RESERVATION_TTL_S", 600, minimum=60)

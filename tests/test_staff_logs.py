@@ -187,12 +187,29 @@ def test_csv_export_has_the_header_and_only_the_filtered_rows(client, staff, mix
     header, *rows = csv_rows(response)
     assert header == [
         "created_at", "request_id", "user", "feature", "model", "status", "refusal_code",
-        "prompt_tokens", "completion_tokens", "cost_usd", "ttft_ms", "total_ms",
+        "prompt_tokens", "completion_tokens", "cost_usd", "ttft_ms", "total_ms", "team", "tags",
     ]
     assert [row[1] for row in rows] == [mixed_logs["alice_summary"].request_id, mixed_logs["alice_ok"].request_id,
                                         mixed_logs["alice_old"].request_id]
     first_chat = rows[1]
     assert first_chat[2:10] == ["alice", "chat", "m", "ok", "", "10", "5", "0.001234"]
+    assert first_chat[12:] == ["", ""]  # no team, no tags
+
+
+def test_csv_export_has_each_rows_team_and_tags(client, staff, alice, bob, chat_feature):
+    from budgets.models import Team
+
+    team = Team.objects.create(name="=Support")  # a name a spreadsheet would run as a formula
+    tagged = log(alice, chat_feature, team=team, tags=",support,beta,")
+    plain = log(bob, chat_feature)
+
+    header, *rows = csv_rows(logged_in(client, staff).get(reverse("staff-logs"), {"format": "csv"}))
+
+    by_id = {row[1]: dict(zip(header, row, strict=True)) for row in rows}
+    assert (by_id[tagged.request_id]["team"], by_id[tagged.request_id]["tags"]) == ("'=Support", "support beta")
+    assert (by_id[plain.request_id]["team"], by_id[plain.request_id]["tags"]) == ("", "")
+    only_support = csv_rows(client.get(reverse("staff-logs"), {"format": "csv", "tag": "support"}))[1:]
+    assert [row[1] for row in only_support] == [tagged.request_id]
 
 
 def test_bad_filters_show_an_error_instead_of_rows(client, staff, mixed_logs):
@@ -274,6 +291,49 @@ def test_my_usage_shows_my_own_caps_whats_left_and_when_they_reset(client, alice
 def test_my_usage_with_no_caps_says_so(client, alice, chat_feature):
     page = logged_in(client, alice).get(reverse("my-usage")).content.decode()
     assert "No caps apply to you right now." in page
+    assert 'id="team-caps"' not in page and 'id="key-caps"' not in page  # no team, no key
+
+
+def test_my_usage_shows_my_teams_caps_and_my_api_keys_caps(client, alice, bob, chat_feature):
+    from accounts.actions import do_create_api_key
+    from budgets.actions import do_create_team
+    from budgets.models import TeamQuota
+
+    team, _ = do_create_team(None, "Support", [alice, bob])
+    TeamQuota.objects.create(team=team, period=Period.MONTH, max_cost_micro_usd=10_000_000)
+    TeamQuota.objects.create(team=team, feature=chat_feature, period=Period.DAY, max_requests=50)
+    laptop, _ = do_create_api_key(alice, "laptop")
+    laptop.max_requests_per_day, laptop.max_cost_per_month_micro_usd = 5, 2_000_000
+    laptop.save()
+    do_create_api_key(alice, "uncapped")
+    revoked, _ = do_create_api_key(alice, "old")
+    revoked.max_requests_per_day, revoked.revoked_at = 1, timezone.now()
+    revoked.save()
+    log(alice, chat_feature, cost=1_000_000, team=team, api_key=laptop)
+    log(bob, chat_feature, cost=3_000_000, team=team)  # a teammate's spend counts against the team's cap
+    log(bob, chat_feature, cost=9_000_000)  # bob before he joined: not the team's
+    log(alice, chat_feature, status="running", admitted=True, team=team, api_key=laptop,
+        reserved_cost_micro_usd=500_000)
+
+    response = logged_in(client, alice).get(reverse("my-usage"))
+
+    usage = response.context["usage"]
+    team_caps = {cap.title: {a.metric: a for a in cap.allowances} for cap in usage.team_caps}
+    assert set(team_caps) == {"Today · team 'Support', feature 'chat'", "This month · team 'Support', all features"}
+    month = team_caps["This month · team 'Support', all features"]["cost"]
+    assert (month.used, month.in_progress, month.shown_left) == (4_000_000, 500_000, "$5.50")
+    assert (team_caps["Today · team 'Support', feature 'chat'"]["requests"].used,
+            team_caps["Today · team 'Support', feature 'chat'"]["requests"].left) == (2, 47)
+    key_caps = {cap.title: {a.metric: a for a in cap.allowances} for cap in usage.key_caps}
+    # Only the active key with caps: "uncapped" has none, "old" is revoked.
+    assert set(key_caps) == {"Today · API key 'laptop'", "This month · API key 'laptop'"}
+    assert (key_caps["Today · API key 'laptop'"]["requests"].used, key_caps["Today · API key 'laptop'"]["requests"].left) == (1, 3)
+    assert key_caps["This month · API key 'laptop'"]["cost"].shown_left == "$0.50"
+    page = response.content.decode()
+    assert 'id="team-caps"' in page and "You are in the team Support" in page and "$5.50" in page
+    assert 'id="key-caps"' in page and "API key &#x27;laptop&#x27;" in page
+    # The user's own totals stay the user's: bob's requests are not in them.
+    assert usage.month.cost_micro_usd == 1_000_000
 
 
 # --- bounded queries -----------------------------------------------------------------------------
@@ -303,6 +363,7 @@ def test_query_counts_do_not_grow_with_rows_or_users(client, staff, alice, chat_
     with django_assert_max_num_queries(3):
         assert len(b"".join(client.get(reverse("staff-logs"), {"format": "csv"}).streaming_content)) > 0
     client.force_login(alice)
-    # session, user, features, default provider, the quotas of each of the 2 features, one aggregate.
-    with django_assert_max_num_queries(7):
+    # session, user, team membership, features, default provider, the quotas of each of the 2 features,
+    # the API keys, one aggregate.
+    with django_assert_max_num_queries(9):
         client.get(reverse("my-usage"))

@@ -143,3 +143,57 @@ def test_the_tags_page_shows_each_tags_spend_against_its_cap_and_sets_caps_with_
     assert "No tag has a cap yet." in staff_client.get(reverse("staff-tags")).content.decode()
     bad = staff_client.post(reverse("staff-tags"), {"tag": "Not a tag", "max_cost_usd": "1"})
     assert bad.status_code == 200 and "A tag is 1 to 32 lowercase letters" in bad.content.decode()
+
+
+# --- deleting a team -------------------------------------------------------------------------------
+
+
+def test_staff_delete_a_team_after_confirming_its_name_and_its_members_are_released(
+    staff_client, staff, support, alice, bob, chat_feature
+):
+    from budgets.guard import request_scopes
+    from budgets.models import AlertWebhook
+
+    TeamQuota.objects.create(team=support, period="month", max_cost_micro_usd=50_000_000)
+    AlertWebhook.objects.create(team=support, url="https://hooks.example.com/support", secret="s")
+    settled(alice, support, chat_feature, tokens=10, cost=1_000, n=3)
+    url = reverse("staff-team-delete", args=[support.pk])
+    assert f'href="{url}"' in staff_client.get(reverse("staff-team", args=[support.pk])).content.decode()
+
+    confirm = staff_client.get(url).content.decode()
+    assert "Delete the team Support?" in confirm and "Its 2 members will be in no team" in confirm
+    assert "Its 1 cap and 1 webhook are removed." in confirm
+    wrong = staff_client.post(url, {"confirm_name": "support"})  # not the name exactly: nothing happens
+    assert wrong.status_code == 400 and "Type the team&#x27;s name, Support, to delete it." in wrong.content.decode()
+    assert Team.objects.filter(pk=support.pk).exists()
+
+    deleted = staff_client.post(url, {"confirm_name": "Support"}, follow=True)
+
+    assert deleted.redirect_chain == [(reverse("staff-teams"), 302)]
+    assert "Deleted the team Support; members released: 2." in deleted.content.decode()
+    assert not Team.objects.exists() and not TeamMembership.objects.exists()
+    assert not TeamQuota.objects.exists() and not AlertWebhook.objects.exists()
+    assert TokenLog.objects.count() == 3 and not TokenLog.objects.filter(team__isnull=False).exists()  # the ledger stays
+    assert request_scopes(alice).team is None  # her next request counts against no team
+    trail = {(e.target, e.field): (e.action, e.before, e.after, e.actor_id) for e in AuditEntry.objects.filter(actor=staff)}
+    assert trail == {
+        ("team Support", "name"): ("delete", "Support", "", staff.pk),
+        ("team Support", "caps"): ("delete", "1", "", staff.pk),
+        ("team Support", "webhooks"): ("delete", "1", "", staff.pk),
+        ("user alice", "team"): ("update", "Support", "none", staff.pk),
+        ("user bob", "team"): ("update", "Support", "none", staff.pk),
+    }
+
+
+def test_end_users_cannot_delete_a_team(client, alice, support):
+    client.force_login(alice)
+    url = reverse("staff-team-delete", args=[support.pk])
+    assert client.get(url).status_code == 403
+    assert client.post(url, {"confirm_name": "Support"}).status_code == 403
+    assert Team.objects.filter(pk=support.pk).exists() and TeamMembership.objects.count() == 2
+
+
+def test_deleting_a_team_that_is_gone_is_a_404(staff_client, support):
+    url = reverse("staff-team-delete", args=[support.pk])
+    assert staff_client.post(url, {"confirm_name": "Support"}).status_code == 302
+    assert staff_client.post(url, {"confirm_name": "Support"}).status_code == 404

@@ -28,7 +28,7 @@ def alerts(request: HttpRequest) -> HttpResponse:
     if form.is_bound and form.is_valid():
         secret = new_secret()
         hook, _ = do_create_webhook(
-            request.user, provider=form.cleaned_data["provider"], url=form.cleaned_data["url"],
+            request.user, provider=form.cleaned_data["provider"], team=form.cleaned_data["team"], url=form.cleaned_data["url"],
             body_format=form.cleaned_data["body_format"], secret=secret,
         )
         # Like an API key: shown this once, so it goes into the receiver's configuration now.
@@ -37,19 +37,19 @@ def alerts(request: HttpRequest) -> HttpResponse:
     month = period_key(Period.MONTH, timezone.now())
     shown = (
         Alert.objects.filter(period_key__startswith=month)
-        .prefetch_related("deliveries__webhook__provider")
+        .prefetch_related("deliveries__webhook__provider", "deliveries__webhook__team")
         .order_by("-created_at")[:ALERTS_SHOWN]
     )
     failing = (
         WebhookDelivery.objects.filter(sent_at__isnull=True, attempts__gt=0)
-        .select_related("alert", "webhook__provider")
+        .select_related("alert", "webhook__provider", "webhook__team")
         .order_by("-last_attempt_at")
     )
     context = {
         "alerts": shown,
         "failing_webhooks": failing,
         "failing_emails": Alert.objects.filter(sent_at__isnull=True).exclude(error="").order_by("-created_at")[:20],
-        "webhooks": AlertWebhook.objects.select_related("provider").order_by("id"),
+        "webhooks": AlertWebhook.objects.select_related("provider", "team").order_by("id"),
         "form": form,
         "signature_header": SIGNATURE_HEADER,
         "delivery_header": DELIVERY_HEADER,
@@ -60,7 +60,7 @@ def alerts(request: HttpRequest) -> HttpResponse:
 @staff_required
 def webhook_detail(request: HttpRequest, webhook_id: int) -> HttpResponse:
     """One webhook: its recent deliveries (GET); enable, disable or delete it (POST)."""
-    hook = get_object_or_404(AlertWebhook.objects.select_related("provider"), pk=webhook_id)
+    hook = get_object_or_404(AlertWebhook.objects.select_related("provider", "team"), pk=webhook_id)
     if request.method == "POST":
         return _webhook_action(request, hook)
     deliveries = hook.deliveries.select_related("alert").order_by("-id")[:DELIVERIES_SHOWN]
@@ -68,7 +68,7 @@ def webhook_detail(request: HttpRequest, webhook_id: int) -> HttpResponse:
 
 
 def _webhook_action(request: HttpRequest, hook: AlertWebhook) -> HttpResponse:
-    webhook_id = hook.pk
+    webhook_id, team_id = hook.pk, hook.team_id
     action = request.POST.get("action")
     if action == "delete":
         do_delete_webhook(request.user, hook)
@@ -78,4 +78,5 @@ def _webhook_action(request: HttpRequest, hook: AlertWebhook) -> HttpResponse:
         messages.success(request, f"Webhook {webhook_id} {action}d.")
     else:
         messages.error(request, "Unknown action.")
-    return redirect("staff-alerts")
+    # A team's webhook is managed on the team's page: back there.
+    return redirect("staff-team", team_id) if team_id else redirect("staff-alerts")

@@ -26,13 +26,14 @@ from ..usage import my_usage as usage_for
 PAGE_SIZE = 100
 COUNT_CAP = 10_000  # the page says "10,000+" rather than counting a million rows on every view
 CSV_CHUNK = 2_000
+# team and tags last, so scripts that read the columns by position keep working.
 CSV_COLUMNS = [
     "created_at", "request_id", "user", "feature", "model", "status", "refusal_code",
-    "prompt_tokens", "completion_tokens", "cost_usd", "ttft_ms", "total_ms",
+    "prompt_tokens", "completion_tokens", "cost_usd", "ttft_ms", "total_ms", "team", "tags",
 ]
 _CSV_FIELDS = [
     "created_at", "request_id", "user__username", "feature__name", "model", "status", "refusal_code",
-    "prompt_tokens", "completion_tokens", "cost_micro_usd", "ttft_ms", "total_ms",
+    "prompt_tokens", "completion_tokens", "cost_micro_usd", "ttft_ms", "total_ms", "team__name", "tags",
 ]
 
 
@@ -160,12 +161,17 @@ async def _driven_from_sync_thread(chunks: Iterator[str]) -> AsyncIterator[str]:
 
 
 def _csv_cells(row: tuple) -> list:
-    created, request_id, username, feature, model, status, code, prompt, completion, cost, ttft, total = row
+    created, request_id, username, feature, model, status, code, prompt, completion, cost, ttft, total, team, tags = row
     return [
         timezone.localtime(created).isoformat(), _cell(request_id), _cell(username or ""), feature or "",
         _cell(model), status, code, prompt, completion, _dollars(cost), "" if ttft is None else ttft,
-        "" if total is None else total,
+        "" if total is None else total, _cell(team or ""), _csv_tags(tags),
     ]
+
+
+def _csv_tags(stored: str) -> str:
+    """",support,beta," as the row stores them → "support beta": one cell, split on spaces (a tag has none)."""
+    return " ".join(tag for tag in stored.split(",") if tag)
 
 
 def _cell(text: str) -> str:

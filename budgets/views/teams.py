@@ -1,5 +1,6 @@
-"""Teams and tags (staff only): each team's usage against its caps, its members, its caps; each tag's
-spend this month against its cap; every change audited.
+"""Teams and tags (staff only): each team's usage against its caps, its members, its caps, its alert
+channels (thresholds, recipients, webhooks); deleting a team; each tag's spend this month against its
+cap, with its forecast; every change audited.
 
 As the users pages: input through Forms, writes through budgets.actions (one AuditEntry per changed
 field, in the same transaction), usage from one aggregate query over the ledger rows that record
@@ -20,15 +21,34 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 
-from ..actions import do_create_team, do_set_tag_quota, do_set_team, do_set_team_quota
-from ..forecast import forecasts_by_scope, team_caps
-from ..forms import NOT_NEGATIVE, CapsForm, DollarsField, to_micro_usd
+from ..actions import (
+    do_create_team,
+    do_create_webhook,
+    do_delete_team,
+    do_set_tag_quota,
+    do_set_team,
+    do_set_team_alerts,
+    do_set_team_quota,
+)
+from ..forecast import forecasts_by_scope, tag_caps, team_caps
+from ..forms import NOT_NEGATIVE, CapsForm, DollarsField, TeamAlertsForm, TeamWebhookForm, to_micro_usd
 from ..guard import SETTLED
-from ..models import Feature, Period, TagQuota, Team, TeamMembership, TeamQuota, TokenLog, tag_validator
+from ..models import (
+    Feature,
+    Period,
+    TagQuota,
+    Team,
+    TeamMembership,
+    TeamQuota,
+    TokenLog,
+    WebhookDelivery,
+    tag_validator,
+)
 from ..periods import period_bounds
 from ..permissions import staff_required
 from ..tags import tags_text
 from ..usage import NO_USAGE, Gauge, caps_of, gauges, total_usage, usage_by
+from ..webhooks import new_secret
 from .config import flash_saved, with_forecast
 
 TEAMS_PER_PAGE = 50
@@ -85,19 +105,26 @@ def teams(request: HttpRequest) -> HttpResponse:
     return render(request, "budgets/teams.html", {"page": page, "rows": rows, "form": form})
 
 
+def _posted(request: HttpRequest, button: str):
+    """The POST data when this form's button was pressed, else None (one page, several forms)."""
+    return request.POST if request.method == "POST" and button in request.POST else None
+
+
 @staff_required
 def team_detail(request: HttpRequest, team_id: int) -> HttpResponse:
     team = get_object_or_404(Team, pk=team_id)
     features = list(Feature.objects.order_by("name"))
     quotas = {(q.feature_id, q.period): q for q in TeamQuota.objects.filter(team=team)}
-    data = request.POST if request.method == "POST" and "save_caps" in request.POST else None
+    data = _posted(request, "save_caps")
     caps = [
         CapsForm(data, prefix=f"{feature.pk if feature else 'all'}-{period}", feature=feature, period=period,
                  current=quotas.get((feature.pk if feature else None, period)))
         for feature in [None, *features]
         for period in Period.values
     ]
-    member_form = MemberForm(request.POST if request.method == "POST" and "add_member" in request.POST else None)
+    member_form = MemberForm(_posted(request, "add_member"))
+    alerts_form = TeamAlertsForm(_posted(request, "save_alerts"), team=team)
+    webhook_form = TeamWebhookForm(_posted(request, "add_webhook"))
     if data is not None:
         if all([form.is_valid() for form in caps]):
             with transaction.atomic():
@@ -113,6 +140,19 @@ def team_detail(request: HttpRequest, team_id: int) -> HttpResponse:
         person = member_form.cleaned_data["username"]
         do_set_team(request.user, person, team)
         messages.success(request, f"{person.get_username()} is now in {team.name} (and in no other team).")
+        return redirect("staff-team", team.pk)
+    elif alerts_form.is_bound and alerts_form.is_valid():
+        flash_saved(request, len(do_set_team_alerts(
+            request.user, team, thresholds=alerts_form.cleaned_data["thresholds"],
+            recipients=alerts_form.cleaned_data["recipients"],
+        )))
+        return redirect("staff-team", team.pk)
+    elif webhook_form.is_bound and webhook_form.is_valid():
+        secret = new_secret()
+        hook, _ = do_create_webhook(request.user, team=team, url=webhook_form.cleaned_data["url"],
+                                    body_format=webhook_form.cleaned_data["body_format"], secret=secret)
+        # Like an API key: shown this once, so it goes into the receiver's configuration now.
+        messages.success(request, f"Saved webhook {hook.pk}. Its signing secret, shown only now: {secret}")
         return redirect("staff-team", team.pk)
     elif request.method == "POST" and "remove_member" in request.POST:
         membership = TeamMembership.objects.filter(team=team, user_id=request.POST.get("remove_member")).first()
@@ -132,8 +172,37 @@ def team_detail(request: HttpRequest, team_id: int) -> HttpResponse:
     context = {
         "team": team, "members": members, "member_form": member_form, "summary": summary,
         "scopes": [("All features", caps[:2]), ("Per feature", caps[2:])], "for_user": False,
+        "alerts_form": alerts_form, "webhook_form": webhook_form, "webhooks": _team_webhooks(team),
+        "has_monthly_cost_cap": bool(getattr(quotas.get((None, Period.MONTH)), "max_cost_micro_usd", None)),
     }
     return render(request, "budgets/team_detail.html", context)
+
+
+def _team_webhooks(team: Team) -> list[tuple]:
+    """(webhook, its latest delivery or None) for the team page: a failing receiver shows here too."""
+    hooks = list(team.webhooks.order_by("id"))
+    latest = {}
+    for delivery in WebhookDelivery.objects.filter(webhook__in=hooks).select_related("alert").order_by("webhook_id", "-id"):
+        latest.setdefault(delivery.webhook_id, delivery)
+    return [(hook, latest.get(hook.pk)) for hook in hooks]
+
+
+@staff_required
+def team_delete(request: HttpRequest, team_id: int) -> HttpResponse:
+    """GET: what deleting the team does, and a form that asks for its name; POST: delete it."""
+    team = get_object_or_404(Team, pk=team_id)
+    members = TeamMembership.objects.filter(team=team).count()
+    error = ""
+    if request.method == "POST":
+        if request.POST.get("confirm_name", "").strip() == team.name:
+            name = team.name
+            do_delete_team(request.user, team)
+            messages.success(request, f"Deleted the team {name}; members released: {members}.")
+            return redirect("staff-teams")
+        error = f"Type the team's name, {team.name}, to delete it."
+    context = {"team": team, "members": members, "caps": TeamQuota.objects.filter(team=team).count(),
+               "webhooks": team.webhooks.count(), "error": error}
+    return render(request, "budgets/team_delete.html", context, status=400 if error else 200)
 
 
 # --- tags: a monthly spend cap per tag -------------------------------------------------------------
@@ -159,5 +228,10 @@ def tags(request: HttpRequest) -> HttpResponse:
     sums = TokenLog.objects.filter(SETTLED, cache="", created_at__gte=start, created_at__lt=end).aggregate(**{
         f"t{i}": Sum("cost_micro_usd", filter=Q(tags__contains=tags_text([q.tag]))) for i, q in enumerate(quotas)
     }) if quotas else {}
-    rows = [(q, Gauge(sums.get(f"t{i}") or 0, q.max_cost_micro_usd, money=True)) for i, q in enumerate(quotas)]
+    projected = forecasts_by_scope(tag_caps([q.tag for q in quotas]), now) if quotas else {}
+    rows = [
+        (q, with_forecast([Gauge(sums.get(f"t{i}") or 0, q.max_cost_micro_usd, money=True)],
+                          projected.get((f"tag:{q.tag}", Period.MONTH)))[0])
+        for i, q in enumerate(quotas)
+    ]
     return render(request, "budgets/tags.html", {"rows": rows, "form": form})

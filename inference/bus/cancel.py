@@ -20,21 +20,19 @@ CANCEL_KEY = "ceiling:cancelled:{}"
 
 
 async def arequest_cancel(request_id: str) -> None:
+    # The key first, then the message (two commands: a cluster pipeline cannot carry PUBLISH).
     client = async_client()
     try:
-        async with client.pipeline(transaction=False) as pipe:
-            pipe.set(CANCEL_KEY.format(request_id), 1, ex=600)
-            pipe.publish(CANCEL_CHANNEL, request_id)
-            await pipe.execute()
+        await client.set(CANCEL_KEY.format(request_id), 1, ex=600)
+        await client.publish(CANCEL_CHANNEL, request_id)
     finally:
         await client.aclose()
 
 
 def request_cancel(request_id: str) -> None:
-    pipe = redis_client().pipeline(transaction=False)
-    pipe.set(CANCEL_KEY.format(request_id), 1, ex=600)
-    pipe.publish(CANCEL_CHANNEL, request_id)
-    pipe.execute()
+    client = redis_client()
+    client.set(CANCEL_KEY.format(request_id), 1, ex=600)
+    client.publish(CANCEL_CHANNEL, request_id)
 
 
 def is_cancel_requested(request_id: str) -> bool:

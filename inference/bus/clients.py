@@ -1,5 +1,9 @@
 """Redis clients for the bus, built in one place with named timeout policies.
 
+They talk to CEILING_COUNTERS_URL (else REDIS_URL), which may be a Redis Cluster: every command and
+script of the bus touches one key, so each goes to the node that holds it; a pipeline over many
+keys (traces, stats, claims) is split by node, and a SCAN visits every master.
+
 Every command of the bus is short, except the inbox's blocking read, which waits up to its block
 time on purpose: its socket timeout must outlast that wait, or an idle inbox would read as a fault.
 """
@@ -11,7 +15,11 @@ from functools import lru_cache
 
 import redis
 import redis.asyncio as aioredis
-from django.conf import settings
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import RedisCluster
+
+from budgets.redis_clients import async_client as any_async_client
+from budgets.redis_clients import counters_url, sync_client
 
 
 @dataclass(frozen=True)
@@ -30,11 +38,11 @@ def blocking_read(block_s: float) -> Timeouts:
 
 
 @lru_cache(maxsize=1)
-def redis_client() -> redis.Redis:
+def redis_client() -> redis.Redis | RedisCluster:
     """The process's shared synchronous client (thread-safe, pooled), SHORT timeouts."""
-    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=SHORT.read_s, socket_connect_timeout=SHORT.connect_s)
+    return sync_client(counters_url(), socket_timeout=SHORT.read_s, socket_connect_timeout=SHORT.connect_s)
 
 
-def async_client(timeouts: Timeouts = SHORT) -> aioredis.Redis:
+def async_client(timeouts: Timeouts = SHORT) -> aioredis.Redis | AsyncRedisCluster:
     """A new asyncio client: each event loop needs its own; the caller closes it (aclose)."""
-    return aioredis.Redis.from_url(settings.REDIS_URL, socket_timeout=timeouts.read_s, socket_connect_timeout=timeouts.connect_s)
+    return any_async_client(counters_url(), socket_timeout=timeouts.read_s, socket_connect_timeout=timeouts.connect_s)

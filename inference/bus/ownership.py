@@ -54,6 +54,17 @@ def release_claim(request_id: str) -> None:
         pass  # it expires by itself
 
 
+def unclaimed(request_ids: list[str]) -> list[str]:
+    """Those of the requests that no worker has claimed (one round trip); raises redis.RedisError."""
+    if not request_ids:
+        return []
+    with redis_client().pipeline(transaction=False) as pipe:
+        for request_id in request_ids:
+            pipe.exists(RUNNING_KEY.format(request_id))
+        found = pipe.execute()
+    return [request_id for request_id, exists in zip(request_ids, found, strict=True) if not exists]
+
+
 def lost_request_progress(request_id: str) -> int | None:
     """Tokens streamed by the request's owner if that worker is dead; None if alive or unknown."""
     try:

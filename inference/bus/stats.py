@@ -71,6 +71,11 @@ def read_engine_stats() -> list[dict]:
     keys = sorted(client.scan_iter(match=STATS_KEY_PREFIX + "*", count=100))
     if not keys:
         return []
-    return [json.loads(raw) | {"worker": key.decode()[len(STATS_KEY_PREFIX) :]} for key, raw in zip(keys, client.mget(keys), strict=True) if raw]
+    # One GET per worker in one pipeline, not MGET: on a cluster the workers' keys sit on different slots.
+    with client.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.get(key)
+        found = pipe.execute()
+    return [json.loads(raw) | {"worker": key.decode()[len(STATS_KEY_PREFIX) :]} for key, raw in zip(keys, found, strict=True) if raw]
 
 

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import redis
-from django.conf import settings
+
+from budgets.redis_clients import counters_url, shared_client
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ def cache_key(feature, user, model: str, max_tokens: int, messages: list[dict]) 
 
 
 def _client() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=0.5, socket_connect_timeout=0.5)
+    # On CEILING_COUNTERS_URL (else REDIS_URL), one Redis or a cluster: every command here touches one key.
+    return shared_client(counters_url(), 0.5)
 
 
 def _exact_key(key: CacheKey) -> str:

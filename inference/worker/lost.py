@@ -9,6 +9,13 @@ its `worker_lost` frame. That web process would notice by itself after 5 s of si
 what settles a request nobody waits for (a batch item, a refinement call, a web process that died
 too), which otherwise stayed running, its reservation held, for CEILING_RESERVATION_TTL_S (600 s).
 
+The same sweep settles a request admitted long ago that no worker ever claimed: a worker died with
+its task prefetched (tasks are acked on receipt, never redelivered), or its queue lost it. The web
+process waiting for it settles it at CEILING_FIRST_TOKEN_TIMEOUT_S; one that died too left it
+running, its reservation held, for CEILING_RESERVATION_TTL_S. Past the first-token timeout plus
+UNCLAIMED_GRACE_S, an unclaimed row can only be such a request: it is settled failed with 0 tokens.
+A worker that picks the task up afterwards finds it settled and skips it.
+
 Several workers sweeping at once is safe: the ledger row is settled once (do_fail_lost_request),
 and only the one that settled it tells the waiting process.
 """
@@ -17,13 +24,21 @@ from __future__ import annotations
 
 import logging
 import threading
+from datetime import datetime, timedelta
 
 import redis
+from django.conf import settings
 from django.db import close_old_connections
+from django.utils import timezone
 
+from budgets.models import TokenLog
 from inference.actions import do_fail_lost_request, worker_lost_event
 from inference.bus.outbox import channel_sender
-from inference.bus.ownership import lost_claims
+from inference.bus.ownership import lost_claims, unclaimed
+
+UNCLAIMED_GRACE_S = 30  # beyond the first-token timeout: the waiting web process settles first
+UNCLAIMED_BATCH = 500  # rows looked at per sweep; the next sweep takes the rest
+NEVER_PICKED_UP_ERROR = "no worker picked this request up within {seconds:.0f} s (its web process was gone too)"
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +58,33 @@ def settle_requests_of_dead_workers() -> int:
     return settled
 
 
+def settle_requests_never_picked_up(now: datetime | None = None) -> int:
+    """Settle admitted requests that no worker claimed within the first-token timeout plus a grace."""
+    now = now or timezone.now()
+    waited_s = settings.CEILING_FIRST_TOKEN_TIMEOUT_S + UNCLAIMED_GRACE_S
+    # Older rows are the reconciliation's (budgets/reconcile.py), which fails them the same way.
+    candidates = list(
+        TokenLog.objects.filter(
+            status=TokenLog.Status.RUNNING, admitted=True,
+            created_at__lt=now - timedelta(seconds=waited_s),
+            created_at__gte=now - timedelta(seconds=settings.CEILING_RESERVATION_TTL_S),
+        ).order_by("created_at").values_list("request_id", flat=True)[:UNCLAIMED_BATCH]
+    )
+    settled = 0
+    for request_id in unclaimed(candidates):
+        if do_fail_lost_request(request_id, tokens=0, error=NEVER_PICKED_UP_ERROR.format(seconds=waited_s)):
+            settled += 1
+            log.warning("request %s: no worker picked it up within %.0f s; settled failed", request_id, waited_s)
+    return settled
+
+
 def settle_lost_requests_forever(stop: threading.Event, every_s: float) -> None:
     """In each worker: once at start (a restarted worker settles what its predecessor left), then every every_s."""
     while True:
         try:
             close_old_connections()
             settle_requests_of_dead_workers()
+            settle_requests_never_picked_up()
         except redis.RedisError as exc:
             log.warning("could not look for the requests of dead workers: %s", exc)
         except Exception:  # noqa: BLE001 - the sweep must never take the worker down

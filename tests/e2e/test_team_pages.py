@@ -45,3 +45,39 @@ def test_staff_create_a_team_cap_it_and_a_members_next_chat_is_refused(live_stac
     trail = set(AuditEntry.objects.filter(actor=staff).values_list("target", "field", "after"))
     assert {("team Support", "name", "Support"), ("user alice", "team", "Support"),
             ("team quota Support/all/day", "max_requests", "0")} <= trail
+
+
+def test_staff_give_a_team_alert_channels_then_delete_it_after_confirming(live_stack, page, staff, alice):
+    from budgets.actions import do_create_team
+    from budgets.models import AlertWebhook, TeamMembership
+
+    team, _ = do_create_team(None, "Support", [alice])
+    log_in_as_staff(page, live_stack)
+    page.goto(f"{live_stack.http_url}/staff/teams/{team.pk}/")
+
+    page.fill("#id_thresholds", "50, 90")
+    page.fill("#id_recipients", "lead@example.com")
+    page.get_by_role("button", name="Save alert settings").click()
+    page.wait_for_url(f"**/staff/teams/{team.pk}/")
+    team.refresh_from_db()
+    assert (team.alert_thresholds, team.alert_recipients) == ([50, 90], "lead@example.com")
+
+    page.fill("#id_url", "https://hooks.example.com/support")
+    page.select_option("#id_body_format", "slack")
+    page.get_by_role("button", name="Add webhook").click()
+    page.wait_for_url(f"**/staff/teams/{team.pk}/")
+    hook = AlertWebhook.objects.get(team=team)
+    assert f"Its signing secret, shown only now: {hook.secret}" in page.content()
+    assert "https://hooks.example.com/support" in page.locator("#team-webhooks").inner_text()
+    screenshot(page, "staff-team-alerts")
+
+    page.click("#delete-team")
+    page.wait_for_url(f"**/staff/teams/{team.pk}/delete/")
+    assert "Its 1 member will be in no team" in page.content()
+    page.fill("#id_confirm_name", "Support")
+    screenshot(page, "staff-team-delete")
+    page.get_by_role("button", name="Delete the team").click()
+    page.wait_for_url("**/staff/teams/")
+    assert "Deleted the team Support; members released: 1." in page.content()
+    assert not Team.objects.exists() and not TeamMembership.objects.exists() and not AlertWebhook.objects.exists()
+    assert AuditEntry.objects.filter(actor=staff, target="team Support", action="delete", field="name").exists()

@@ -180,7 +180,9 @@ class Command(DatabaseCommand):
 @contextmanager
 def counters_level(store: CounterStore, run_id: str) -> Iterator[Step]:
     """The Lua scripts alone, on counters under ceiling:bench:<run_id>: so real counters are never touched."""
-    bench = CounterStore(store.client, prefix=f"ceiling:bench:{run_id}")
+    # Under the store's own prefix ({ceiling} on a Redis Cluster: the bench's keys share the counters' slot).
+    bench = CounterStore(store.client, prefix=f"{store.prefix}:bench:{run_id}", wait_replicas=store.wait_replicas,
+                         wait_timeout_ms=store.wait_timeout_ms)
     specs = [
         CounterSpec(f"{bench.prefix}:user:day", Limits(requests=HUGE, tokens=HUGE), BENCH_TTL_S),
         CounterSpec(f"{bench.prefix}:user:month", Limits(requests=HUGE, tokens=HUGE), BENCH_TTL_S),
@@ -268,7 +270,7 @@ def _delete_guard_run(name: str, user, feature: Feature, provider: Provider) -> 
     store = guard.counter_store()
     markers = [m for rid in request_ids for m in (store.admitted_marker(rid), store.settled_marker(rid))]
     # Counters first: they are keyed by this run's ids, so nothing real is lost.
-    _delete_keys(store.client, sorted(counter_keys) + markers)
+    _delete_keys(store.client, sorted(store.redis_key(key) for key in counter_keys) + markers)
     rows.delete()  # TokenLog protects its feature, provider, price, team and key
     feature.delete()
     provider.delete()  # and its price
