@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 # The tables an admission reads, by the name their version has in Redis.
 TABLES = ("quota", "team", "teammembership", "teamquota", "tagquota", "modelprice", "provider", "feature")
 # One hash tag for all: the one MGET must find every version in one Redis Cluster slot.
-VERSION_KEY = "ceiling:{refcache}:v:{}"
+VERSION_KEY = "ceiling:{{refcache}}:v:{}"
 MAX_ENTRIES = 10_000  # per namespace: one entry per user is the largest, and old ones go first
 MAX_AGE_S = 60.0
 # A lookup outside an admission (a rate-limit header, a page) refreshes first when the last
