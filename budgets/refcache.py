@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 # The tables an admission reads, by the name their version has in Redis.
 TABLES = ("quota", "team", "teammembership", "teamquota", "tagquota", "modelprice", "provider", "feature")
-# One hash tag for all: the one MGET must find every version in one Redis Cluster slot.
-VERSION_KEY = "ceiling:{{refcache}}:v:{}"
+# Under the counter store's prefix: "ceiling" on one Redis, the hash tag "{ceiling}" on a Redis
+# Cluster, so the one MGET finds every version in the counters' one slot.
+VERSION_KEY = "{prefix}:refcache:v:{table}"
 MAX_ENTRIES = 10_000  # per namespace: one entry per user is the largest, and old ones go first
 MAX_AGE_S = 60.0
 # A lookup outside an admission (a rate-limit header, a page) refreshes first when the last
@@ -48,9 +49,10 @@ _MISSING = object()
 class RefCache:
     """Namespaced lookups, each depending on some of TABLES; thread-safe."""
 
-    def __init__(self, client: Callable[[], redis.Redis], max_entries: int = MAX_ENTRIES,
-                 max_age_s: float = MAX_AGE_S) -> None:
+    def __init__(self, client: Callable[[], redis.Redis], prefix: Callable[[], str] = lambda: "ceiling",
+                 max_entries: int = MAX_ENTRIES, max_age_s: float = MAX_AGE_S) -> None:
         self.client = client
+        self.prefix = prefix
         self.max_entries = max_entries
         self._refreshed_at = -1e9
         self._redis_down = False
@@ -66,7 +68,7 @@ class RefCache:
     def refresh(self) -> None:
         """Read every table's version (one MGET); entries read under an older one are not used again."""
         try:
-            versions = self.client().mget([VERSION_KEY.format(t) for t in TABLES])
+            versions = self.client().mget([version_key(t, self.prefix()) for t in TABLES])
         except redis.RedisError as exc:
             # Without versions the cache cannot be trusted: read the database until Redis answers.
             if not self._redis_down:  # once per outage, not once per admission
@@ -131,7 +133,17 @@ def _client() -> redis.Redis:
     return counter_store().client
 
 
-cache = RefCache(_client)
+def _prefix() -> str:
+    from .guard import counter_store
+
+    return counter_store().prefix
+
+
+def version_key(table: str, prefix: str | None = None) -> str:
+    return VERSION_KEY.format(prefix=prefix or _prefix(), table=table)
+
+
+cache = RefCache(_client, _prefix)
 
 
 def refresh() -> None:
@@ -150,7 +162,7 @@ def _bump(table: str) -> None:
     try:
         # A fresh random token, not INCR: a Redis that restarts empty would count again from 1
         # and hand out versions that entries already carry.
-        _client().set(VERSION_KEY.format(table), uuid.uuid4().hex)
+        _client().set(version_key(table), uuid.uuid4().hex)
     except redis.RedisError as exc:
         log.warning("could not tell other processes that %s changed (they see it within %g s): %s",
                     table, MAX_AGE_S, exc)

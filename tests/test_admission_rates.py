@@ -112,7 +112,7 @@ WRITE_PATHS = {
 @pytest.mark.parametrize("path", sorted(WRITE_PATHS))
 def test_every_write_path_makes_another_process_read_the_table_again(path, alice, redis_db):
     quota = Quota.objects.create(user=alice, period="day", max_requests=5)
-    other_process = refcache.RefCache(refcache._client)  # a second process's cache: only Redis links them
+    other_process = refcache.RefCache(refcache._client, refcache._prefix)  # a second process's cache: only Redis links them
     loads = []
 
     def read() -> int | None:
@@ -131,12 +131,12 @@ def test_every_write_path_makes_another_process_read_the_table_again(path, alice
 
 def test_a_redis_emptied_under_the_cache_does_not_bring_back_an_old_version(alice, redis_db):
     """Versions are random tokens, not counts: an INCR from 1 again would repeat a version."""
-    other_process = refcache.RefCache(refcache._client)
+    other_process = refcache.RefCache(refcache._client, refcache._prefix)
     loads = []
     refcache.changed("quota")
     other_process.refresh()
     other_process.get("quotas", ("quota",), 1, lambda: loads.append(1))
-    redis_db.delete(refcache.VERSION_KEY.format("quota"))
+    redis_db.delete(refcache.version_key("quota"))
     refcache.changed("quota")
 
     other_process.refresh()
