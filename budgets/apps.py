@@ -3,3 +3,9 @@ from django.apps import AppConfig
 
 class BudgetsConfig(AppConfig):
     name = "budgets"
+
+    def ready(self) -> None:
+        from . import refcache
+        from .models import Feature, ModelPrice, Provider, Quota, TagQuota, Team, TeamMembership, TeamQuota
+
+        refcache.connect([Feature, ModelPrice, Provider, Quota, TagQuota, Team, TeamMembership, TeamQuota])

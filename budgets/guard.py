@@ -25,7 +25,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
-from . import redis_clients
+from . import ledger_writer, redis_clients, refcache
 from .counters import AdmitResult, CounterGroup, CounterSpec, CounterStore, Limits, Usage
 from .live import publish_on_commit
 from .models import (
@@ -112,12 +112,27 @@ class Scopes:
 
 
 def request_scopes(user, api_key=None, tags: tuple[str, ...] = ()) -> Scopes:
-    """One query for a user without a team; one more for a team's caps, one more for tag caps."""
-    membership = unique_row(TeamMembership.objects.select_related("team").filter(user_id=user.pk))
-    team = membership.team if membership else None
-    team_quotas = tuple(TeamQuota.objects.filter(team=team)) if team else ()
-    tag_quotas = tuple(TagQuota.objects.filter(tag__in=tags).order_by("tag")) if tags else ()
-    return Scopes(team, team_quotas, api_key, tuple(tags), tag_quotas)
+    """The user's team and its caps, and the tags' caps: from this process's reference cache
+    (budgets/refcache.py), else one query for a user without a team, one more for a team's caps,
+    one more for tag caps."""
+    team = refcache.cache.get("team_of_user", ("teammembership", "team"), user.pk, lambda: _team_of(user.pk))
+    team_quotas = (
+        refcache.cache.get("team_quotas", ("teamquota",), team.pk, lambda: tuple(TeamQuota.objects.filter(team=team)))
+        if team else ()
+    )
+    tags = tuple(tags)
+    tag_quotas = (
+        refcache.cache.get(
+            "tag_quotas", ("tagquota",), tags, lambda: tuple(TagQuota.objects.filter(tag__in=tags).order_by("tag"))
+        )
+        if tags else ()
+    )
+    return Scopes(team, team_quotas, api_key, tags, tag_quotas)
+
+
+def _team_of(user_id: int) -> Team | None:
+    membership = unique_row(TeamMembership.objects.select_related("team").filter(user_id=user_id))
+    return membership.team if membership else None
 
 
 def applicable_ceilings(
@@ -234,8 +249,11 @@ def _tag_ceilings(scopes: Scopes, at: datetime) -> list[Ceiling]:
 
 def _quotas_for(user, feature: Feature) -> dict[tuple[bool, bool, str], Quota]:
     """(is the user's own, is per-feature, period) → quota; the user's own beats the default."""
-    rows = Quota.objects.filter(Q(user=user) | Q(user__isnull=True)).filter(Q(feature=feature) | Q(feature__isnull=True))
-    return {(q.user_id is not None, q.feature_id is not None, q.period): q for q in rows}
+    def load() -> dict[tuple[bool, bool, str], Quota]:
+        rows = Quota.objects.filter(Q(user=user) | Q(user__isnull=True)).filter(Q(feature=feature) | Q(feature__isnull=True))
+        return {(q.user_id is not None, q.feature_id is not None, q.period): q for q in rows}
+
+    return refcache.cache.get("quotas", ("quota",), (user.pk, feature.pk if feature else None), load)
 
 
 def _limits(quota: Quota) -> Limits:
@@ -249,11 +267,13 @@ VARIANT_SEPARATOR = "@"
 
 
 def price_in_force(provider: Provider, model: str, at: datetime) -> ModelPrice | None:
-    price = (
-        ModelPrice.objects.filter(provider=provider, model=model, effective_from__lte=at)
-        .order_by("-effective_from")
-        .first()
+    # Every price of the model, newest first (a handful of rows): `at` picks among them here, so
+    # one cache entry serves every moment, including a price that takes effect later.
+    prices = refcache.cache.get(
+        "prices", ("modelprice",), (provider.pk, model),
+        lambda: tuple(ModelPrice.objects.filter(provider=provider, model=model).order_by("-effective_from", "-pk")),
     )
+    price = next((p for p in prices if p.effective_from <= at), None)
     if price is None and provider.kind == Provider.Kind.LOCAL and VARIANT_SEPARATOR in model:
         return price_in_force(provider, model.rpartition(VARIANT_SEPARATOR)[0], at)
     return price
@@ -329,7 +349,7 @@ class Candidate:
 
 def candidate(request: AdmissionRequest, feature: Feature, provider: Provider | None, model: str, max_tokens: int,
               now: datetime, scopes: Scopes | None = None) -> Candidate:
-    provider = provider or feature.provider or Provider.default()
+    provider = provider or feature.provider or refcache.cache.get("default_provider", ("provider",), None, Provider.default)
     if scopes is None:
         scopes = request_scopes(request.user, request.api_key, request.tags)
     ceilings = applicable_ceilings(request.user, feature, provider, now, request.loop, scopes)
@@ -343,6 +363,7 @@ def admit(request: AdmissionRequest, now: datetime | None = None) -> Decision:
     request on the fallback's ceilings instead, when they have room, in the same Lua call.
     """
     now = now or timezone.now()
+    refcache.refresh()  # one MGET: every reference row below is this process's copy unless it changed
     scopes = request_scopes(request.user, request.api_key, request.tags)
     primary = candidate(request, request.feature, request.provider, request.model, request.max_tokens, now, scopes)
     # Its ceilings are read even when the primary will fit: one Lua call decides both, atomically.
@@ -398,9 +419,14 @@ def _mark_admitted(row: TokenLog, result: AdmitResult, served: Candidate, reques
             "model": served.model,
             "counter_keys": [c.spec.key for c in served.ceilings],
         }
-    TokenLog.objects.filter(pk=row.pk).update(**fields)
     for name, value in fields.items():
         setattr(row, name, value)
+    shared = requested is None and ledger_writer.group_commit_applies()
+    with ledger_writer.writer.counted():
+        if shared:
+            ledger_writer.writer.mark_admitted(row)  # shares its commit with the other admissions'
+        else:
+            TokenLog.objects.filter(pk=row.pk).update(**fields)
 
 
 def _fallback_refused_too(fallback: Candidate, ceilings: list[Ceiling], refusal: AdmitResult, message: str,
@@ -439,9 +465,14 @@ def _open_row(request, provider, price, ceilings, now, team=None) -> tuple[Token
     # In autocommit mode the INSERT is a transaction of its own; inside a caller's transaction a
     # savepoint keeps a duplicate's IntegrityError from breaking it.
     in_transaction = transaction.atomic() if connection.in_atomic_block else nullcontext()
+    shared = ledger_writer.group_commit_applies()
     try:
-        with in_transaction:
-            row.save(force_insert=True)
+        with ledger_writer.writer.counted():
+            if shared:
+                ledger_writer.writer.insert(row)  # returns once committed, with the other admissions' rows
+            else:
+                with in_transaction:
+                    row.save(force_insert=True)
     except IntegrityError:
         if not TokenLog.objects.filter(request_id=request.request_id).exists():
             raise  # another constraint failed: not a duplicate
@@ -572,7 +603,10 @@ def _settle_counters(row: TokenLog, *, count_as_used: bool) -> bool:
     except redis.RedisError as exc:
         log.warning("could not settle %s in Redis (reconciliation will retry): %s", row.request_id, exc)
         return False
-    TokenLog.objects.filter(pk=row.pk, counters_settled=False).update(counters_settled=True)
+    if ledger_writer.group_commit_applies():
+        ledger_writer.writer.mark_settled_later(row.pk)  # if lost, reconciliation settles again: a no-op
+    else:
+        TokenLog.objects.filter(pk=row.pk, counters_settled=False).update(counters_settled=True)
     row.counters_settled = True
     return first_time
 

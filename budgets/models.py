@@ -20,6 +20,40 @@ def unique_row(queryset: models.QuerySet) -> models.Model | None:
     return next(iter(queryset[:1]), None)
 
 
+class ReferenceQuerySet(models.QuerySet):
+    """The bulk writes of a table admissions cache (budgets/refcache.py) tell every process.
+
+    save() and delete() send post_save / post_delete, which refcache listens to; update(),
+    bulk_create() and bulk_update() send nothing, so they bump the table's version here.
+    """
+
+    def update(self, **kwargs) -> int:
+        rows = super().update(**kwargs)
+        _reference_changed(self.model)
+        return rows
+
+    def bulk_create(self, objs, *args, **kwargs):
+        created = super().bulk_create(objs, *args, **kwargs)
+        _reference_changed(self.model)
+        return created
+
+    def bulk_update(self, objs, fields, *args, **kwargs) -> int:
+        rows = super().bulk_update(objs, fields, *args, **kwargs)
+        _reference_changed(self.model)
+        return rows
+
+    def delete(self):
+        deleted = super().delete()
+        _reference_changed(self.model)
+        return deleted
+
+
+def _reference_changed(model: type[models.Model]) -> None:
+    from .refcache import changed  # refcache reads these models' names only; imported late to stay light
+
+    changed(model._meta.model_name)
+
+
 class Period(models.TextChoices):
     DAY = "day"
     MONTH = "month"
@@ -31,6 +65,8 @@ def default_thresholds() -> list[int]:
 
 class Provider(models.Model):
     """Where a model runs: the local engine, or a remote OpenAI-compatible server. Has a monthly spend limit."""
+
+    objects = ReferenceQuerySet.as_manager()
 
     class Kind(models.TextChoices):
         LOCAL = "local"
@@ -79,6 +115,8 @@ class Provider(models.Model):
 class ModelPrice(models.Model):
     """Prices per million tokens, in micro-dollars, from a moment on. Old rows stay: history is kept."""
 
+    objects = ReferenceQuerySet.as_manager()
+
     provider = models.ForeignKey(Provider, on_delete=models.CASCADE, related_name="prices")
     model = models.CharField(max_length=200)
     input_per_million_micro_usd = models.PositiveBigIntegerField(default=0)
@@ -118,6 +156,8 @@ class ModelPrice(models.Model):
 
 class Feature(models.Model):
     """A product feature that calls the model ("chat", "summary"…); limits and logs hang off it."""
+
+    objects = ReferenceQuerySet.as_manager()
 
     name = models.CharField(
         max_length=64,
@@ -193,6 +233,8 @@ class Team(models.Model):
     alerts of its scope go to its recipients and to its own webhooks (AlertWebhook.team).
     """
 
+    objects = ReferenceQuerySet.as_manager()
+
     name = models.CharField(max_length=64, unique=True)
     alert_thresholds = models.JSONField(default=default_thresholds, help_text="Percentages of the monthly cost cap.")
     alert_recipients = models.TextField(blank=True, help_text="Comma-separated email addresses.")
@@ -207,6 +249,8 @@ class Team(models.Model):
 
 class TeamMembership(models.Model):
     """A user is in at most one team: the user is the key."""
+
+    objects = ReferenceQuerySet.as_manager()
 
     user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="team_membership")
     team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
@@ -330,6 +374,8 @@ class RetrievalFacts:
 class Quota(models.Model):
     """A cap for one period: for one user or (user empty) everyone, on one feature or (empty) all."""
 
+    objects = ReferenceQuerySet.as_manager()
+
     user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="quotas")
     feature = models.ForeignKey(Feature, null=True, blank=True, on_delete=models.CASCADE, related_name="quotas")
     period = models.CharField(max_length=8, choices=Period.choices)
@@ -372,6 +418,8 @@ class Quota(models.Model):
 class TeamQuota(models.Model):
     """A team's cap for one period, on all features (feature empty) or one; like a user's Quota."""
 
+    objects = ReferenceQuerySet.as_manager()
+
     team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="quotas")
     feature = models.ForeignKey(Feature, null=True, blank=True, on_delete=models.CASCADE, related_name="team_quotas")
     period = models.CharField(max_length=8, choices=Period.choices)
@@ -396,6 +444,8 @@ class TeamQuota(models.Model):
 
 class TagQuota(models.Model):
     """A monthly spend cap on every request that carries a tag, whoever sends it."""
+
+    objects = ReferenceQuerySet.as_manager()
 
     tag = models.CharField(max_length=32, unique=True, validators=[tag_validator])
     max_cost_micro_usd = models.PositiveBigIntegerField()

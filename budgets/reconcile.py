@@ -31,6 +31,10 @@ def release_lost_requests(now=None) -> int:
             row.refresh_from_db()
             if row.admitted:
                 settle(row)
+            else:
+                # Its process may have died between the Redis reservation and the `admitted` mark:
+                # release whatever a counter holds for it (a no-op where nothing was reserved).
+                release(row)
             released += 1
     if released:
         log.warning("reconciliation released %d lost request(s)", released)

@@ -409,6 +409,11 @@ if CEILING_COUNTERS_WAIT_REPLICAS and CEILING_COUNTERS_WAIT_MS >= CEILING_GUARD_
 # A request still "running" this long after admission was lost (worker crash): reconciliation
 # marks it failed and releases its reservation.
 CEILING_RESERVATION_TTL_S = envint("CEILING_RESERVATION_TTL_S", 600, minimum=60)
+# On PostgreSQL, admissions outside a transaction write their ledger rows through one writer thread
+# per process that commits many at once (budgets/ledger_writer.py); each still waits for its commit.
+# Off by default: on a 2-core machine with a local PostgreSQL, where CPU and not commits limits
+# admissions, it measured 10-20% fewer cycles/s (docs/benchmarks.md); try it where commits are dear.
+CEILING_LEDGER_GROUP_COMMIT = envbool("CEILING_LEDGER_GROUP_COMMIT", False)
 # Each worker sweeps lost requests, unsettled counters and unsent alerts this often; 0 turns the
 # sweep off (tests that drive those paths by hand turn it off in their workers, so a sweep cannot race them).
 CEILING_RECONCILE_EVERY_S = envfloat("CEILING_RECONCILE_EVERY_S", 60.0, minimum=0.0)

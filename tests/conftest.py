@@ -207,3 +207,16 @@ def _stop_in_process_engine():
     from inference.engines import shutdown_engine
 
     shutdown_engine()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_reference_cache():
+    """A test's rolled-back or truncated rows send no signals: the caches of reference rows
+    (budgets/refcache.py), this process's and a live stack's, must not carry one test's prices,
+    quotas or providers into the next."""
+    from budgets import refcache
+
+    refcache.cache.clear()
+    refcache.changed_everything()
+    yield
+    refcache.cache.clear()

@@ -38,7 +38,9 @@ def test_it_writes_both_levels_as_json_with_positive_ordered_numbers(db, redis_d
 
     report = json.loads(target.read_text())
     assert report["n"] == 200 and report["warmup"] == 20
-    assert report["targets"] == {"p99_ms": 2.0, "admissions_per_s": 3000}
+    assert report["targets"] == {
+        "counters": {"p99_ms": 2.0, "admissions_per_s": 3000}, "guard": {"p99_ms": 10.0, "admissions_per_s": 1000},
+    }
     assert set(report["levels"]) == {"counters", "guard"}
     for name, numbers in report["levels"].items():
         assert set(numbers) == LEVEL_FIELDS
@@ -51,6 +53,7 @@ def test_it_writes_both_levels_as_json_with_positive_ordered_numbers(db, redis_d
 
     printed = out.getvalue()
     assert "p99 ≤ 2 ms" in printed and "3,000 admissions/s" in printed
+    assert "p99 ≤ 10 ms" in printed and "1,000 admissions/s" in printed
     assert "Redis Lua only" in printed and "writes" in printed
 
 

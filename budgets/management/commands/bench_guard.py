@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -30,7 +31,7 @@ from pathlib import Path
 import redis
 from django.contrib.auth import get_user_model
 from django.core.management.base import CommandError
-from django.db import connection, transaction
+from django.db import connection, connections, transaction
 from django.utils import timezone
 
 from accounts.actions import do_create_api_key
@@ -40,6 +41,7 @@ from budgets import guard
 from budgets.actions import Usage as LedgerUsage
 from budgets.actions import do_record_usage
 from budgets.counters import CounterSpec, CounterStore, Limits, Usage
+from budgets.ledger_writer import writer
 from budgets.models import (
     Feature,
     ModelPrice,
@@ -56,8 +58,9 @@ from budgets.models import (
 LEVELS = ("counters", "guard")
 SCOPES = ("user", "all")
 WARMUP = 200
-TARGET_P99_MS = 2.0
-TARGET_ADMISSIONS_PER_S = 3000
+# Each level's targets (p99 ms, admit+settle cycles/s): the Lua scripts alone, and the guard with
+# its ledger on PostgreSQL from 2 processes (issue #23: gateway rates on this 2-core machine).
+TARGETS = {"counters": (2.0, 3000), "guard": (10.0, 1000)}
 PROMPT_TOKENS = 120
 MAX_TOKENS = 256
 COMPLETION_TOKENS = 200
@@ -86,7 +89,9 @@ class LevelResult:
     database: str | None  # the database vendor written to, None for Redis only
 
 
-def _check_arguments(n: int, warmup: int, threads: int) -> None:
+def _check_arguments(n: int, warmup: int, threads: int, processes: int = 1) -> None:
+    if processes < 1:
+        raise CommandError(f"--processes must be at least 1, got {processes}")
     if threads < 1:
         raise CommandError(f"--threads must be at least 1, got {threads}")
     if n < 1:
@@ -109,28 +114,34 @@ class Command(DatabaseCommand):
         )
         parser.add_argument(
             "--threads", type=int, default=1,
-            help="admit+settle cycles in flight at once from this process (counters level; default 1)",
+            help="admit+settle cycles in flight at once from each process (default 1)",
+        )
+        parser.add_argument(
+            "--processes", type=int, default=1,
+            help="guard level: processes admitting at the same time, each with --threads threads, as web processes do (default 1)",
         )
 
     def needs_database(self, options: dict) -> bool:
         # The counters level is Redis alone; only the guard level writes ledger rows. Bad arguments
         # are left for handle() to explain first: they are wrong whatever the database holds.
         try:
-            _check_arguments(options["n"], options["warmup"], options.get("threads", 1))
+            _check_arguments(options["n"], options["warmup"], options.get("threads", 1), options.get("processes", 1))
             _json_target(options["json_path"])
         except CommandError:
             return False
         return options["level"] != "counters"
 
-    def handle(self, *args, n: int, level: str | None, warmup: int, json_path: str | None, threads: int = 1, **options) -> None:
-        _check_arguments(n, warmup, threads)
+    def handle(self, *args, n: int, level: str | None, warmup: int, json_path: str | None, threads: int = 1,
+               processes: int = 1, **options) -> None:
+        _check_arguments(n, warmup, threads, processes)
         self.threads = threads
+        self.processes = processes
         self.scopes = options.get("scopes", "user")
         target = _json_target(json_path)
         store = _reachable_store()
         results = [self.run_level(name, store, n, warmup) for name in ([level] if level else LEVELS)]
         if target is not None:
-            report = {**_report(n, warmup, results), "threads": threads, "scopes": self.scopes}
+            report = {**_report(n, warmup, results), "threads": threads, "processes": processes, "scopes": self.scopes}
             target.write_text(json.dumps(report, indent=2) + "\n")
             self.stdout.write(f"wrote {target}")
 
@@ -139,8 +150,10 @@ class Command(DatabaseCommand):
         context = counters_level(store, run_id) if level == "counters" else guard_level(run_id, self.scopes == "all")
         try:
             with context as step:
-                # The guard level writes the database from the thread it runs on: keep it sequential.
-                latencies_ms, wall_s = time_steps(step, n, warmup, self.threads if level == "counters" else 1)
+                if level == "guard" and self.processes > 1:
+                    latencies_ms, wall_s = time_in_processes(step, n, warmup, self.processes, self.threads)
+                else:
+                    latencies_ms, wall_s = time_steps(step, n, warmup, self.threads)
         except redis.RedisError as exc:
             raise CommandError(f"Redis failed during the {level} benchmark: {exc}") from exc
         database = connection.vendor if level == "guard" else None
@@ -154,9 +167,10 @@ class Command(DatabaseCommand):
             f"{r.level:<9} n={r.n}  p50 {r.p50_ms:.3f} ms  p99 {r.p99_ms:.3f} ms  "
             f"{r.admissions_per_s:,.0f} admissions/s  ({what})"
         )
+        p99_ms, per_s = TARGETS[r.level]
         self.stdout.write(
-            f"          p99 ≤ {TARGET_P99_MS:g} ms: {_verdict(r.p99_target_met)};  "
-            f"≥ {TARGET_ADMISSIONS_PER_S:,} admissions/s: {_verdict(r.throughput_target_met)}"
+            f"          p99 ≤ {p99_ms:g} ms: {_verdict(r.p99_target_met)};  "
+            f"≥ {per_s:,} admissions/s: {_verdict(r.throughput_target_met)}"
         )
 
 
@@ -268,14 +282,15 @@ def _delete_guard_run(name: str, user, feature: Feature, provider: Provider) -> 
 # --- timing -------------------------------------------------------------------------------------
 
 
-def time_steps(step: Step, n: int, warmup: int, threads: int = 1) -> tuple[list[float], float]:
+def time_steps(step: Step, n: int, warmup: int, threads: int = 1, first: int = 0) -> tuple[list[float], float]:
     """Per-step latencies in ms after `warmup` untimed steps, and the wall time of the timed ones.
 
     With threads > 1 that many cycles are in flight at once: one cycle is two Redis round trips
     (≈0.17 ms each on loopback here), so one thread alone is bound by latency, not by Redis.
     """
-    for i in range(warmup):
+    for i in range(first, first + warmup):
         step(i)
+    first += warmup
 
     def timed(i: int) -> float:
         before = time.perf_counter()
@@ -284,11 +299,67 @@ def time_steps(step: Step, n: int, warmup: int, threads: int = 1) -> tuple[list[
 
     started = time.perf_counter()
     if threads == 1:
-        latencies_ms = [timed(i) for i in range(warmup, warmup + n)]
+        latencies_ms = [timed(i) for i in range(first, first + n)]
     else:
         with ThreadPoolExecutor(threads) as pool:
-            latencies_ms = list(pool.map(timed, range(warmup, warmup + n)))
+            latencies_ms = list(pool.map(timed, range(first, first + n)))
     return latencies_ms, time.perf_counter() - started
+
+
+def time_in_processes(step: Step, n: int, warmup: int, processes: int, threads: int) -> tuple[list[float], float]:
+    """time_steps in `processes` forked processes at once, each its share of n after its own warmup;
+    the wall time runs from the first process's start to the last one's end."""
+    context = multiprocessing.get_context("fork")
+    _close_database_connections()  # each child opens its own; a shared socket would mix their replies
+    ready = context.Barrier(processes)
+    results = context.Queue()
+    shares = [n // processes + (1 if k < n % processes else 0) for k in range(processes)]
+    children = [
+        context.Process(target=_timed_child, args=(step, k, shares[k], warmup, threads, ready, results))
+        for k in range(processes)
+    ]
+    for child in children:
+        child.start()
+    reports = [results.get() for _ in children]
+    for child in children:
+        child.join()
+    failed = [r for r in reports if isinstance(r, str)]
+    if failed:
+        raise CommandError(f"a benchmark process failed: {failed[0]}")
+    writes, commits = sum(r["writes"] for r in reports), sum(r["commits"] for r in reports)
+    if commits:
+        print(f"ledger writer: {writes:,} writes in {commits:,} commits ({writes / commits:.1f} a commit)")
+    latencies = [ms for r in reports for ms in r["latencies_ms"]]
+    wall_s = max(r["ended"] for r in reports) - min(r["started"] for r in reports)
+    return latencies, wall_s
+
+
+def _close_database_connections() -> None:
+    connections.close_all()
+    for wrapper in connections.all():
+        if hasattr(wrapper, "close_pool"):  # PostgreSQL's pool holds open sockets and threads of its own
+            wrapper.close_pool()
+
+
+CHILD_STRIDE = 10**8  # request numbers of child k start at k * CHILD_STRIDE: no two children share an id
+
+
+def _timed_child(step: Step, k: int, share: int, warmup: int, threads: int, ready, results) -> None:
+    try:
+        offset = k * CHILD_STRIDE
+        for i in range(warmup):
+            step(offset + i)
+        ready.wait()
+        started = time.time()
+        latencies_ms, _ = time_steps(lambda i: step(offset + i), share, 0, threads, first=warmup)
+        results.put({"latencies_ms": latencies_ms, "started": started, "ended": time.time(),
+                     "writes": writer.writes, "commits": writer.batches})
+    except Exception as exc:  # noqa: BLE001 - the parent reports it; a child must always answer
+        ready.abort()
+        results.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        writer.drain()  # the counters_settled marks queued without waiting
+        connections.close_all()
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -310,8 +381,8 @@ def summarize(level: str, latencies_ms: list[float], wall_s: float, warmup: int,
         mean_ms=sum(ordered) / len(ordered),
         max_ms=ordered[-1],
         admissions_per_s=rate,
-        p99_target_met=p99 <= TARGET_P99_MS,
-        throughput_target_met=rate >= TARGET_ADMISSIONS_PER_S,
+        p99_target_met=p99 <= TARGETS[level][0],
+        throughput_target_met=rate >= TARGETS[level][1],
         database=database,
     )
 
@@ -355,7 +426,7 @@ def _report(n: int, warmup: int, results: list[LevelResult]) -> dict:
     return {
         "n": n,
         "warmup": warmup,
-        "targets": {"p99_ms": TARGET_P99_MS, "admissions_per_s": TARGET_ADMISSIONS_PER_S},
+        "targets": {level: {"p99_ms": p99, "admissions_per_s": rate} for level, (p99, rate) in TARGETS.items()},
         "levels": {r.level: asdict(r) for r in results},
     }
 

@@ -1,0 +1,269 @@
+"""Admissions at gateway rates (#23): reference rows cached per process, ledger rows group-committed.
+
+The cache must never serve a row older than the last write by any path (a save, a bulk update, a
+management command, a staff page), and group commit must keep the ledger's promise: the row is
+committed before admit() returns, and a process killed mid-admission leaves a row whose reservation
+reconciliation releases.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from io import StringIO
+
+import psycopg
+import pytest
+from django.conf import settings
+from django.core.management import call_command
+from django.db import connection
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from budgets import ledger_writer, refcache
+from budgets.guard import admit, counter_store
+from budgets.models import ModelPrice, Provider, Quota, TagQuota, TokenLog
+from budgets.reconcile import release_lost_requests
+from project import stack
+from tests.conftest import _test_database_url
+from tests.test_guard import clean_counters, request  # noqa: F401 (a fixture)
+
+PRICE_OUT = 1_000_000  # micro-dollars per million output tokens: a token costs one micro-dollar
+
+
+@pytest.fixture
+def priced(chat_feature):
+    provider = Provider.default()
+    chat_feature.provider = provider
+    chat_feature.save()
+    return ModelPrice.objects.create(
+        provider=provider, model="test-model", input_per_million_micro_usd=0,
+        output_per_million_micro_usd=PRICE_OUT, effective_from=timezone.now() - timedelta(days=1),
+    )
+
+
+def reserved_cost(decision) -> int:
+    return TokenLog.objects.get(request_id=decision.request_id).reserved_cost_micro_usd
+
+
+# --- the reference cache: every write path reaches the next admission ---------------------------
+
+
+def test_a_price_changed_by_a_bulk_update_prices_the_next_admission(alice, chat_feature, priced):
+    assert reserved_cost(admit(request(alice, chat_feature, max_tokens=100))) == 100
+
+    ModelPrice.objects.filter(pk=priced.pk).update(output_per_million_micro_usd=3 * PRICE_OUT)
+
+    assert reserved_cost(admit(request(alice, chat_feature, max_tokens=100))) == 300
+
+
+def test_a_new_price_saved_in_force_now_prices_the_next_admission(alice, chat_feature, priced):
+    admit(request(alice, chat_feature, max_tokens=100))
+    ModelPrice.objects.create(provider=priced.provider, model="test-model", output_per_million_micro_usd=2 * PRICE_OUT,
+                              effective_from=timezone.now() - timedelta(seconds=1))
+
+    assert reserved_cost(admit(request(alice, chat_feature, max_tokens=100))) == 200
+
+
+def test_a_cap_set_with_set_quota_refuses_the_next_admission(alice, chat_feature):
+    assert admit(request(alice, chat_feature)).admitted
+
+    call_command("set_quota", "alice", "--period", "day", "--requests", "1", stdout=StringIO())
+
+    decision = admit(request(alice, chat_feature))
+    assert (decision.admitted, decision.code) == (False, "user_requests_per_day")
+
+
+def test_caps_created_with_bulk_create_apply_to_the_next_admission(alice, chat_feature):
+    assert admit(request(alice, chat_feature)).admitted
+    Quota.objects.bulk_create([Quota(user=alice, period="day", max_requests=1)])
+
+    assert admit(request(alice, chat_feature)).code == "user_requests_per_day"
+
+
+def test_a_tag_cap_set_on_the_staff_page_applies_to_the_next_admission(alice, staff, chat_feature, priced):
+    assert admit(request(alice, chat_feature, max_tokens=100, tags=("support",))).admitted
+    client = Client()
+    client.force_login(staff)
+
+    assert client.post(reverse("staff-tags"), {"tag": "support", "max_cost_usd": "0.00005"}).status_code == 302
+
+    assert TagQuota.objects.get(tag="support").max_cost_micro_usd == 50
+    decision = admit(request(alice, chat_feature, max_tokens=100, tags=("support",)))
+    # The first answer's 100 micro-dollars, still reserved, are past the tag's new $0.00005.
+    assert (decision.admitted, decision.code) == (False, "tag_cost_per_month")
+
+
+WRITE_PATHS = {
+    "save": lambda q: q.save(),
+    "queryset update": lambda q: Quota.objects.filter(pk=q.pk).update(max_requests=7),
+    "bulk_update": lambda q: Quota.objects.bulk_update([q], ["max_requests"]),
+    "queryset delete": lambda q: Quota.objects.filter(pk=q.pk).delete(),
+    "instance delete": lambda q: q.delete(),
+    "migrate": lambda q: call_command("migrate", "budgets", verbosity=0),
+}
+
+
+@pytest.mark.parametrize("path", sorted(WRITE_PATHS))
+def test_every_write_path_makes_another_process_read_the_table_again(path, alice, redis_db):
+    quota = Quota.objects.create(user=alice, period="day", max_requests=5)
+    other_process = refcache.RefCache(refcache._client, refcache._prefix)  # a second process's cache: only Redis links them
+    loads = []
+
+    def read() -> int | None:
+        return other_process.get("quotas", ("quota",), alice.pk, lambda: loads.append(1) or Quota.objects.count())
+
+    other_process.refresh()
+    read(), read()
+    assert len(loads) == 1  # the second read was the cache's
+
+    WRITE_PATHS[path](quota)
+    other_process.refresh()
+    read()
+
+    assert len(loads) == 2
+
+
+def test_a_redis_emptied_under_the_cache_does_not_bring_back_an_old_version(alice, redis_db):
+    """Versions are random tokens, not counts: an INCR from 1 again would repeat a version."""
+    other_process = refcache.RefCache(refcache._client, refcache._prefix)
+    loads = []
+    refcache.changed("quota")
+    other_process.refresh()
+    other_process.get("quotas", ("quota",), 1, lambda: loads.append(1))
+    redis_db.delete(refcache.version_key("quota"))
+    refcache.changed("quota")
+
+    other_process.refresh()
+    other_process.get("quotas", ("quota",), 1, lambda: loads.append(1))
+
+    assert len(loads) == 2
+
+
+def test_without_redis_the_cache_reads_the_database_every_time(alice):
+    broken = refcache.RefCache(lambda: __import__("redis").Redis(port=1, socket_connect_timeout=0.1))
+    loads = []
+    for _ in range(2):
+        broken.refresh()
+        broken.get("quotas", ("quota",), 1, lambda: loads.append(1))
+    assert len(loads) == 2
+
+
+def test_a_warm_admission_alone_reads_no_reference_row_and_writes_its_row_itself(alice, chat_feature, priced):
+    """Once warm, an admission's reference rows come from the cache; alone in its process (the
+    writer idle), it writes its row on its own connection: no thread hop for a commit it would not share."""
+    from django.test.utils import CaptureQueriesContext
+
+    admit(request(alice, chat_feature))
+    with CaptureQueriesContext(connection) as queries:
+        decision = admit(request(alice, chat_feature))
+    assert decision.admitted
+    assert [q["sql"].split()[0] for q in queries.captured_queries] == ["INSERT", "UPDATE"]
+    assert committed_elsewhere(decision.request_id)[:2] == ("running", True)
+
+
+# --- group commit: rows committed before admit() returns, and crashes -------------------------------
+
+
+def committed_elsewhere(request_id: str) -> tuple | None:
+    """The row as a separate connection sees it: only what is committed."""
+    with psycopg.connect(_test_database_url(), autocommit=True) as other:
+        return other.execute(
+            "SELECT status, admitted, reserved_tokens FROM budgets_tokenlog WHERE request_id = %s", [request_id]
+        ).fetchone()
+
+
+def test_each_admitted_row_is_committed_before_admit_returns(alice, chat_feature, settings):
+    settings.CEILING_LEDGER_GROUP_COMMIT = True
+    settings.CEILING_GUARD_TIMEOUT_S = 2.0
+    counter_store.cache_clear()
+    batches_before, writes_before = ledger_writer.writer.batches, ledger_writer.writer.writes
+    requests = [request(alice, chat_feature, max_tokens=10) for _ in range(48)]
+
+    def admit_and_look(req):
+        try:
+            decision = admit(req)
+            return decision.admitted, committed_elsewhere(req.request_id)
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(16) as pool:
+        seen = list(pool.map(admit_and_look, requests))
+
+    assert all(seen_row == ("running", True, 20) for _, seen_row in seen)
+    assert sum(admitted for admitted, _ in seen) == 48
+    # Admissions that overlapped wrote through the writer, several to a commit.
+    writes, commits = ledger_writer.writer.writes - writes_before, ledger_writer.writer.batches - batches_before
+    assert writes > commits > 0
+
+
+def test_a_duplicate_request_id_is_refused_through_the_writer(alice, chat_feature):
+    """The writer's batch falls back to one row at a time, and the duplicate hears of its IntegrityError."""
+    first, again = request(alice, chat_feature), request(alice, chat_feature)
+    assert admit(first).admitted
+    row = TokenLog(request_id=first.request_id, user=alice, feature=chat_feature, model="m", prompt_tokens=1,
+                   max_tokens=1, counter_keys=[], created_at=timezone.now())
+    others = [TokenLog(request_id=f"{again.request_id}-{i}", user=alice, feature=chat_feature, model="m",
+                       prompt_tokens=1, max_tokens=1, counter_keys=[], created_at=timezone.now()) for i in range(3)]
+
+    with ThreadPoolExecutor(4) as pool:
+        outcomes = list(pool.map(_insert_through_writer, [row, *others]))
+
+    assert outcomes[0] == "IntegrityError" and outcomes[1:] == ["ok"] * 3
+    assert TokenLog.objects.filter(request_id__startswith=again.request_id).count() == 3
+    assert TokenLog.objects.filter(request_id=first.request_id).count() == 1
+
+
+def _insert_through_writer(row: TokenLog) -> str:
+    try:
+        ledger_writer.writer.insert(row)
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test reads
+        return type(exc).__name__
+
+
+CRASH_AFTER_RESERVING = textwrap.dedent("""
+    import os, signal, django
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+    django.setup()
+    from django.contrib.auth.models import User
+    from django.utils import timezone
+    from budgets import guard
+    from budgets.models import Feature
+    user, feature = User.objects.get(username="alice"), Feature.objects.get(name="chat")
+    req = guard.AdmissionRequest({request_id!r}, user, feature, "test-model", 10, 10)
+    now = timezone.now()
+    primary = guard.candidate(req, feature, None, "test-model", 10, now)
+    row, _ = guard._open_row(req, primary.provider, primary.price, primary.ceilings, now)
+    result = guard._admit_with_rebuild(req, primary, None)
+    assert result.status == "ok", result
+    print("reserved", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # before the admitted mark is committed
+""")
+
+
+def test_a_process_killed_after_reserving_leaves_a_row_whose_reservation_is_released(alice, chat_feature):
+    """The crash window group commit widens: the Redis reservation is made, the `admitted` mark
+    never reaches the ledger. The row is there (it was committed before the reservation), and
+    reconciliation frees what the counters hold for it."""
+    Quota.objects.create(user=alice, period="day", max_requests=100)
+    request_id = "killed-after-reserving"
+    env = stack.child_env(DATABASE_URL=_test_database_url(), REDIS_URL=settings.REDIS_URL)
+    done = subprocess.run([sys.executable, "-c", CRASH_AFTER_RESERVING.format(request_id=request_id)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL and "reserved" in done.stdout, done.stderr
+
+    row = TokenLog.objects.get(request_id=request_id)
+    assert (row.status, row.admitted) == ("running", False)
+    [user_day] = [k for k in row.counter_keys if ":user:" in k and ":day:" in k]
+    assert counter_store().state(user_day).reserved.requests == 1
+
+    assert release_lost_requests(now=timezone.now() + timedelta(hours=1)) == 1
+
+    assert counter_store().state(user_day).reserved.requests == 0
+    assert TokenLog.objects.get(request_id=request_id).status == "failed"
