@@ -23,22 +23,29 @@ def release_lost_requests(now=None) -> int:
     """Fail every request still running past the reservation TTL and settle it. Idempotent."""
     now = now or timezone.now()
     cutoff = now - timedelta(seconds=settings.CEILING_RESERVATION_TTL_S)
-    released = 0
-    for row in TokenLog.objects.filter(status=TokenLog.Status.RUNNING, created_at__lt=cutoff).iterator():
-        error = f"no worker finished this request within {settings.CEILING_RESERVATION_TTL_S} s"
-        # Tokens the lost worker may have produced are unknown to the ledger; count none.
-        if do_record_usage(row.request_id, status=TokenLog.Status.FAILED, usage=Usage(row.prompt_tokens, 0), error=error):
-            row.refresh_from_db()
-            if row.admitted:
-                settle(row)
-            else:
-                # Its process may have died between the Redis reservation and the `admitted` mark:
-                # release whatever a counter holds for it (a no-op where nothing was reserved).
-                release(row)
-            released += 1
+    error = f"no worker finished this request within {settings.CEILING_RESERVATION_TTL_S} s"
+    released = sum(
+        fail_lost_request(row, error)
+        for row in TokenLog.objects.filter(status=TokenLog.Status.RUNNING, created_at__lt=cutoff).iterator()
+    )
     if released:
         log.warning("reconciliation released %d lost request(s)", released)
     return released
+
+
+def fail_lost_request(row: TokenLog, error: str) -> bool:
+    """Fail one request still running, with no answer tokens (a lost worker's are unknown to the
+    ledger), and free what the counters hold for it; False when something settled it first."""
+    if not do_record_usage(row.request_id, status=TokenLog.Status.FAILED, usage=Usage(row.prompt_tokens, 0), error=error):
+        return False
+    row.refresh_from_db()
+    if row.admitted:
+        settle(row)
+    else:
+        # Its process may have died between the Redis reservation and the `admitted` mark:
+        # release whatever a counter holds for it (a no-op where nothing was reserved).
+        release(row)
+    return True
 
 
 SETTLE_RETRY_AFTER_S = 30

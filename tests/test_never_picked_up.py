@@ -60,3 +60,19 @@ def test_rows_older_than_the_reservation_ttl_are_left_to_the_reconciliation(redi
     old = admitted(alice, chat_feature, seconds_ago=settings.CEILING_RESERVATION_TTL_S + 60)
     assert settle_requests_never_picked_up() == 0
     assert TokenLog.objects.get(request_id=old).status == TokenLog.Status.RUNNING
+
+
+def test_a_row_whose_web_process_died_mid_admission_is_settled_and_its_reservation_released(
+    redis_db, alice, chat_feature
+):
+    """Reserved in Redis, but the process died before the row was marked admitted (and so before any
+    dispatch): nothing would ever claim it."""
+    Quota.objects.create(period="day", max_requests=10)
+    request_id = admitted(alice, chat_feature, seconds_ago=settings.CEILING_FIRST_TOKEN_TIMEOUT_S + UNCLAIMED_GRACE_S + 5)
+    TokenLog.objects.filter(request_id=request_id).update(admitted=False)
+
+    assert settle_requests_never_picked_up() == 1
+    row = TokenLog.objects.get(request_id=request_id)
+    assert row.status == TokenLog.Status.FAILED and "no worker picked this request up" in row.error
+    state, _ = daily_counter_and_ledger(redis_db, alice, chat_feature)
+    assert state.reserved.requests == 0  # the reservation the dead process made is gone

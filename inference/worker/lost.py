@@ -13,7 +13,9 @@ The same sweep settles a request admitted long ago that no worker ever claimed: 
 its task prefetched (tasks are acked on receipt, never redelivered), or its queue lost it. The web
 process waiting for it settles it at CEILING_FIRST_TOKEN_TIMEOUT_S; one that died too left it
 running, its reservation held, for CEILING_RESERVATION_TTL_S. Past the first-token timeout plus
-UNCLAIMED_GRACE_S, an unclaimed row can only be such a request: it is settled failed with 0 tokens.
+UNCLAIMED_GRACE_S, an unclaimed row can only be such a request (or one whose web process died in
+the middle of its admission, before any dispatch): it is settled failed with 0 tokens and whatever a
+counter holds for it is released.
 A worker that picks the task up afterwards finds it settled and skips it.
 
 Several workers sweeping at once is safe: the ledger row is settled once (do_fail_lost_request),
@@ -32,6 +34,7 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from budgets.models import TokenLog
+from budgets.reconcile import fail_lost_request
 from inference.actions import do_fail_lost_request, worker_lost_event
 from inference.bus.outbox import channel_sender
 from inference.bus.ownership import lost_claims, unclaimed
@@ -59,22 +62,24 @@ def settle_requests_of_dead_workers() -> int:
 
 
 def settle_requests_never_picked_up(now: datetime | None = None) -> int:
-    """Settle admitted requests that no worker claimed within the first-token timeout plus a grace."""
+    """Settle requests that no worker claimed within the first-token timeout plus a grace: admitted
+    ones never picked up, and rows whose web process died in the middle of their admission."""
     now = now or timezone.now()
     waited_s = settings.CEILING_FIRST_TOKEN_TIMEOUT_S + UNCLAIMED_GRACE_S
     # Older rows are the reconciliation's (budgets/reconcile.py), which fails them the same way.
     candidates = list(
         TokenLog.objects.filter(
-            status=TokenLog.Status.RUNNING, admitted=True,
+            status=TokenLog.Status.RUNNING,
             created_at__lt=now - timedelta(seconds=waited_s),
             created_at__gte=now - timedelta(seconds=settings.CEILING_RESERVATION_TTL_S),
         ).order_by("created_at").values_list("request_id", flat=True)[:UNCLAIMED_BATCH]
     )
     settled = 0
-    for request_id in unclaimed(candidates):
-        if do_fail_lost_request(request_id, tokens=0, error=NEVER_PICKED_UP_ERROR.format(seconds=waited_s)):
+    error = NEVER_PICKED_UP_ERROR.format(seconds=waited_s)
+    for row in TokenLog.objects.filter(request_id__in=unclaimed(candidates)):
+        if fail_lost_request(row, error):
             settled += 1
-            log.warning("request %s: no worker picked it up within %.0f s; settled failed", request_id, waited_s)
+            log.warning("request %s: no worker picked it up within %.0f s; settled failed", row.request_id, waited_s)
     return settled
 
 
