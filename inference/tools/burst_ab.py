@@ -10,9 +10,10 @@ a machine slowing down or speeding up falls on both. What alternates:
 - `buckets`: every compiled decode bucket of `--compile-buckets` installed, against only those
   of up to 8 rows (the default buckets before).
 
-Run with Django's settings (the model folder comes from them):
+Run with Django's settings (the model folder comes from them; hence it lives in inference/tools, not in the
+Django-free engine package):
 
-    .venv/bin/python manage.py shell -c "from inference.engine.bench.burst_ab import main; main(['--rounds', '2'])"
+    .venv/bin/python manage.py shell -c "from inference.tools.burst_ab import main; main(['--rounds', '2'])"
 
 It prints one line per run and the medians, and writes them as JSON (`--json`).
 """
