@@ -137,7 +137,9 @@ def api_key_required(view: View) -> View:
     return wrapper
 
 
-@database_sync_to_async
+# The /v1 lookups run off the one thread-sensitive thread (from the connection pool): a burst's
+# requests would otherwise take their turns there, one query at a time, before reaching the guard.
+@partial(database_sync_to_async, thread_sensitive=False)
 def authenticate(token: str) -> ApiKey | None:
     key = ApiKey.objects.for_plaintext(token)
     if key is not None:
@@ -223,7 +225,7 @@ def _tags_field(data: dict):
     return given[0] if given else None
 
 
-@database_sync_to_async
+@partial(database_sync_to_async, thread_sensitive=False)
 def routed_feature(model: str) -> str | None:
     """The feature a model name selects: its alias's, the default one for the served model, else None."""
     feature = ModelAlias.objects.filter(name=model).values_list("feature__name", flat=True).first()
@@ -253,7 +255,7 @@ def _openai_message(message: Any) -> Any:
     return {"role": role, "content": content}
 
 
-@database_sync_to_async
+@partial(database_sync_to_async, thread_sensitive=False)
 def is_extract(feature_name: str) -> bool:
     """An extract feature answers once, with a whole JSON object, even when a stream was asked for."""
     return Feature.objects.filter(name=feature_name, mode=Feature.Mode.EXTRACT).exists()
