@@ -36,15 +36,32 @@ def release_lost_requests(now=None) -> int:
 def fail_lost_request(row: TokenLog, error: str) -> bool:
     """Fail one request still running, with no answer tokens (a lost worker's are unknown to the
     ledger), and free what the counters hold for it; False when something settled it first."""
+    if not row.admitted:
+        return close_unadmitted(row, error)
     if not do_record_usage(row.request_id, status=TokenLog.Status.FAILED, usage=Usage(row.prompt_tokens, 0), error=error):
         return False
     row.refresh_from_db()
-    if row.admitted:
-        settle(row)
-    else:
-        # Its process may have died between the Redis reservation and the `admitted` mark:
-        # release whatever a counter holds for it (a no-op where nothing was reserved).
-        release(row)
+    settle(row)
+    return True
+
+
+ADMISSION_INTERRUPTED = "admission_interrupted"
+
+
+def close_unadmitted(row: TokenLog, error: str) -> bool:
+    """A row whose process died between opening it and the `admitted` mark: never admitted, so never
+    dispatched nor served. It is closed as refused (`admission_interrupted`), which the ledger does
+    not count, and whatever a counter may hold for it is released, which the counters do not count
+    either, so a rebuild from the ledger and the counters agree. Closed as failed it would count as
+    a request used that no counter ever counted."""
+    closed = TokenLog.objects.filter(pk=row.pk, status=TokenLog.Status.RUNNING, admitted=False).update(
+        status=TokenLog.Status.REFUSED, refusal_code=ADMISSION_INTERRUPTED,
+        error=f"the admission was interrupted: {error}"[:500], finished_at=timezone.now(),
+    )
+    if not closed:
+        return False
+    row.refresh_from_db()
+    release(row)  # a no-op where nothing was reserved
     return True
 
 
@@ -60,7 +77,8 @@ def retry_unsettled(now=None) -> int:
         status__in=[TokenLog.Status.RUNNING, TokenLog.Status.REFUSED]
     )
     timed_out = TokenLog.objects.filter(
-        status=TokenLog.Status.REFUSED, refusal_code="guard_unavailable", counters_settled=False, finished_at__lt=cutoff
+        status=TokenLog.Status.REFUSED, refusal_code__in=["guard_unavailable", ADMISSION_INTERRUPTED],
+        counters_settled=False, finished_at__lt=cutoff,
     )
     done = 0
     for row in finished.iterator():

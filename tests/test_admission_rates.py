@@ -26,7 +26,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from budgets import ledger_writer, refcache
-from budgets.guard import admit, counter_store
+from budgets.guard import admit, counter_store, ledger_sums
 from budgets.models import ModelPrice, Provider, Quota, TagQuota, TokenLog
 from budgets.reconcile import release_lost_requests
 from project import stack
@@ -265,5 +265,10 @@ def test_a_process_killed_after_reserving_leaves_a_row_whose_reservation_is_rele
 
     assert release_lost_requests(now=timezone.now() + timedelta(hours=1)) == 1
 
-    assert counter_store().state(user_day).reserved.requests == 0
-    assert TokenLog.objects.get(request_id=request_id).status == "failed"
+    state = counter_store().state(user_day)
+    assert state.reserved.requests == 0
+    # Never admitted, so never served: closed as refused, which neither the ledger nor the counters count.
+    row = TokenLog.objects.get(request_id=request_id)
+    assert (row.status, row.refusal_code) == ("refused", "admission_interrupted")
+    used, reserved = ledger_sums({"user_id": alice.pk})
+    assert (used.requests, reserved.requests) == (state.used.requests, 0)

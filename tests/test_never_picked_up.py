@@ -73,6 +73,9 @@ def test_a_row_whose_web_process_died_mid_admission_is_settled_and_its_reservati
 
     assert settle_requests_never_picked_up() == 1
     row = TokenLog.objects.get(request_id=request_id)
-    assert row.status == TokenLog.Status.FAILED and "no worker picked this request up" in row.error
-    state, _ = daily_counter_and_ledger(redis_db, alice, chat_feature)
+    # Never admitted, never served: refused (not counted), not failed (which would count as used).
+    assert (row.status, row.refusal_code) == (TokenLog.Status.REFUSED, "admission_interrupted")
+    assert "no worker picked this request up" in row.error
+    state, (used, reserved) = daily_counter_and_ledger(redis_db, alice, chat_feature)
     assert state.reserved.requests == 0  # the reservation the dead process made is gone
+    assert (state.used, state.reserved) == (used, reserved)  # and counters = ledger
