@@ -15,7 +15,6 @@ import threading
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
@@ -26,8 +25,7 @@ from django.db import connection
 from django.utils import timezone
 from redis.cluster import RedisCluster
 
-from budgets.actions import Usage, do_record_usage
-from budgets.guard import AdmissionRequest, Decision, admit, applicable_ceilings, counter_store, ledger_sums, settle
+from budgets.guard import admit, applicable_ceilings, counter_store, ledger_sums
 from budgets.models import Provider, Quota, Team, TeamMembership, TeamQuota, TokenLog
 from budgets.reconcile import retry_unsettled
 from inference.bus import clients as bus_clients
@@ -40,6 +38,7 @@ from project import stack
 from project.settings import check_counters_url, check_redis_url
 from tests.conftest import _test_database_url
 from tests.redis_cluster import LocalCluster, redis_server_missing
+from tests.test_guard import admit_in_threads, finish, request
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -76,26 +75,6 @@ def on_cluster(cluster, settings):
 def _forget_clients() -> None:
     counter_store.cache_clear()
     bus_clients.redis_client.cache_clear()
-
-
-def request(user, feature, prompt=10, max_tokens=10) -> AdmissionRequest:
-    return AdmissionRequest(uuid.uuid4().hex, user, feature, "test-model", prompt, max_tokens)
-
-
-def admit_in_threads(requests: list[AdmissionRequest], threads: int = 12) -> list[Decision]:
-    def one(req):
-        try:
-            return admit(req)
-        finally:
-            connection.close()
-
-    with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(one, requests))
-
-
-def finish(decision: Decision, completion_tokens: int) -> None:
-    do_record_usage(decision.request_id, status=TokenLog.Status.OK, usage=Usage(10, completion_tokens))
-    settle(TokenLog.objects.get(request_id=decision.request_id))
 
 
 def user_day_ceiling(user, feature):
@@ -176,7 +155,7 @@ def test_200_concurrent_admissions_from_threads_and_processes_admit_exactly_50_o
         subprocess.Popen([sys.executable, "-m", "tests.guard_load", *args], env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(3)
     ]
-    local = admit_in_threads([request(alice, chat_feature) for _ in range(50)])
+    local = admit_in_threads([request(alice, chat_feature) for _ in range(50)], threads=12)
     remote = [json.loads(p.communicate(timeout=180)[0].strip().splitlines()[-1]) for p in processes]
 
     admitted = sum(d.admitted for d in local) + sum(r["admitted"] for r in remote)
@@ -190,7 +169,7 @@ def test_200_concurrent_admissions_from_threads_and_processes_admit_exactly_50_o
 
 def test_counters_lost_on_the_cluster_are_rebuilt_equal_to_the_ledger(on_cluster, alice, chat_feature):
     Quota.objects.create(period="day", max_requests=40)
-    first = admit_in_threads([request(alice, chat_feature) for _ in range(20)])
+    first = admit_in_threads([request(alice, chat_feature) for _ in range(20)], threads=12)
     for decision in first[:10]:
         finish(decision, 3)
     client = cluster_client(on_cluster)
@@ -198,7 +177,7 @@ def test_counters_lost_on_the_cluster_are_rebuilt_equal_to_the_ledger(on_cluster
     assert lost
     client.delete(*lost)  # one slot: one DEL
 
-    after = admit_in_threads([request(alice, chat_feature) for _ in range(60)])
+    after = admit_in_threads([request(alice, chat_feature) for _ in range(60)], threads=12)
     assert sum(d.admitted for d in first) + sum(d.admitted for d in after) == 40
     state, (used, reserved) = counter_and_ledger(alice, chat_feature)
     assert (state.used, state.reserved) == (used, reserved)
@@ -434,7 +413,7 @@ def test_a_master_killed_under_load_fails_over_with_no_overshoot_and_counters_eq
     retry_unsettled(now=timezone.now() + timedelta(minutes=5))
     state, (used, reserved) = counter_and_ledger(alice, chat_feature)
     assert (state.used, state.reserved) == (used, reserved)
-    more = admit_in_threads([request(alice, chat_feature) for _ in range(cap)])
+    more = admit_in_threads([request(alice, chat_feature) for _ in range(cap)], threads=12)
     assert admitted_rows + sum(d.admitted for d in more) == cap
 
     on_cluster.restart(master)  # it rejoins as the new master's replica, which admissions wait for again
