@@ -287,17 +287,17 @@ def test_requests_that_are_refused_or_still_running_are_not_spending(smtp, provi
     assert check_provider_thresholds(provider.id) == []  # 40% really spent
 
 
-def test_settling_a_request_raises_the_alert(smtp, redis_db, provider, alice, chat_feature):
-    # $1 a month, and 10 answer tokens at $0.08 each: one request spends 80% of it.
-    Provider.objects.filter(pk=provider.pk).update(monthly_limit_micro_usd=1_000_000)
+def settle_an_eighty_cent_request(provider, user, feature) -> None:
+    """One real request of 10 answer tokens at $0.08 each on the provider, admitted, finished and
+    settled (then settled again: a replay settles nothing and alerts nothing)."""
     ModelPrice.objects.create(
         provider=provider, model="m", output_per_million_micro_usd=80_000 * 1_000_000, effective_from=local(2020, 1, 1)
     )
-    chat_feature.provider = provider
-    chat_feature.save(update_fields=["provider"])
+    feature.provider = provider
+    feature.save(update_fields=["provider"])
     request_id = uuid.uuid4().hex
     decision = do_admit_request(
-        request_id=request_id, user=alice, feature=chat_feature, model="m",
+        request_id=request_id, user=user, feature=feature, model="m",
         messages=[{"role": "user", "content": "hi"}], prompt_ids=[1, 2, 3], max_tokens=10,
     )
     assert decision.admitted, decision.message
@@ -305,9 +305,14 @@ def test_settling_a_request_raises_the_alert(smtp, redis_db, provider, alice, ch
         request_id, status=TokenLog.Status.OK, prompt_tokens=3, completion_ids=list(range(10)), text="0123456789",
         finish_reason="length", ttft_ms=5,
     )
-
     assert settle_reservation(request_id) is True
-    assert settle_reservation(request_id) is False  # a replay settles nothing and alerts nothing
+    assert settle_reservation(request_id) is False
+
+
+def test_settling_a_request_raises_the_alert(smtp, redis_db, provider, alice, chat_feature):
+    # $1 a month, and 10 answer tokens at $0.08 each: one request spends 80% of it.
+    Provider.objects.filter(pk=provider.pk).update(monthly_limit_micro_usd=1_000_000)
+    settle_an_eighty_cent_request(provider, alice, chat_feature)
 
     assert [(a.threshold, a.spent_micro_usd, a.limit_micro_usd) for a in alerts()] == [
         (50, 800_000, 1_000_000),

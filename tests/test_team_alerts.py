@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import html
 import json
-import uuid
 from datetime import timedelta
 
 import pytest
@@ -22,7 +21,6 @@ from budgets.models import (
     Alert,
     AlertWebhook,
     AuditEntry,
-    ModelPrice,
     Period,
     Provider,
     Team,
@@ -31,7 +29,6 @@ from budgets.models import (
     WebhookDelivery,
 )
 from budgets.webhooks import DELIVERY_HEADER, MAX_ATTEMPTS
-from inference.actions import do_admit_request, do_finish_request, settle_reservation
 from project import stack
 from tests import test_alert_webhooks as hooks
 from tests import test_alerts
@@ -195,24 +192,7 @@ def test_requests_outside_the_team_do_not_count_towards_its_thresholds(smtp, unl
 def test_settling_a_team_members_request_raises_the_team_alert(smtp, redis_db, unlimited, support, alice, chat_feature):
     # $1 a month for the team, and 10 answer tokens at $0.08 each: one request spends 80% of it.
     TeamQuota.objects.filter(team=support).update(max_cost_micro_usd=DOLLAR)
-    ModelPrice.objects.create(
-        provider=unlimited, model="m", output_per_million_micro_usd=80_000 * DOLLAR, effective_from=local(2020, 1, 1)
-    )
-    chat_feature.provider = unlimited
-    chat_feature.save(update_fields=["provider"])
-    request_id = uuid.uuid4().hex
-    decision = do_admit_request(
-        request_id=request_id, user=alice, feature=chat_feature, model="m",
-        messages=[{"role": "user", "content": "hi"}], prompt_ids=[1, 2, 3], max_tokens=10,
-    )
-    assert decision.admitted, decision.message
-    do_finish_request(
-        request_id, status=TokenLog.Status.OK, prompt_tokens=3, completion_ids=list(range(10)), text="0123456789",
-        finish_reason="length", ttft_ms=5,
-    )
-
-    assert settle_reservation(request_id) is True
-    assert settle_reservation(request_id) is False  # a replay settles nothing and alerts nothing
+    test_alerts.settle_an_eighty_cent_request(unlimited, alice, chat_feature)
 
     assert [(a.scope, a.threshold, a.spent_micro_usd) for a in Alert.objects.order_by("threshold")] == [
         ("team:Support", 50, 800_000), ("team:Support", 80, 800_000),
