@@ -413,7 +413,7 @@ def wait_until_counters_match(cast: Cast, timeout_s: float = RECONCILE_WAIT_S) -
 
 
 def verdict(plan: ScalePlan, cast: Cast, outcomes: list[Outcome]) -> dict:
-    from django.db.models import Count, Max, Min
+    from django.db.models import Count
 
     from budgets.models import TokenLog
 
@@ -423,20 +423,18 @@ def verdict(plan: ScalePlan, cast: Cast, outcomes: list[Outcome]) -> dict:
     team_admitted = admitted.filter(team_id=cast.team_id).count()
     overshoot_users = sum(max(0, n - plan.user_cap) for n in per_user.values())
     overshoot_team = max(0, team_admitted - plan.team_cap)
-    span = admitted.aggregate(first=Min("created_at"), last=Max("created_at"))
-    seconds = (span["last"] - span["first"]).total_seconds() if span["first"] else 0.0
-    # Every request the guard decided on (admitted or refused by a cap), over the span of all rows.
-    whole = rows.aggregate(first=Min("created_at"), last=Max("created_at"))
-    decided_s = (whole["last"] - whole["first"]).total_seconds() if whole["first"] else 0.0
+    admitted_count, rows_count = sum(per_user.values()), rows.count()
+    seconds = span_s(admitted)
+    decided_s = span_s(rows)  # every request the guard decided on, admitted or refused by a cap
     known = set(rows.values_list("request_id", flat=True))
     answered = [o for o in outcomes if o.tokens > 0]
     lost = [o.request_id or f"#{o.index}" for o in answered if o.request_id not in known]
     return {
-        "admitted": admitted.count(),
-        "admissions_per_s": round(admitted.count() / seconds, 1) if seconds > 0 else None,
+        "admitted": admitted_count,
+        "admissions_per_s": round(admitted_count / seconds, 1) if seconds > 0 else None,
         "admission_span_s": round(seconds, 2),
-        "guard_decisions_per_s": round(rows.count() / decided_s, 1) if decided_s > 0 else None,
-        "ledger_rows": rows.count(),
+        "guard_decisions_per_s": round(rows_count / decided_s, 1) if decided_s > 0 else None,
+        "ledger_rows": rows_count,
         "rows_by_status": dict(Counter(rows.values_list("status", flat=True))),
         "team_admitted": team_admitted,
         "team_cap": plan.team_cap,
@@ -447,6 +445,14 @@ def verdict(plan: ScalePlan, cast: Cast, outcomes: list[Outcome]) -> dict:
         "rows_unsettled": rows.filter(status=TokenLog.Status.RUNNING).count(),
         "counter_mismatches": readable_counter_mismatches(cast),
     }
+
+
+def span_s(rows) -> float:
+    """Seconds from the first row's creation to the last's (0 for none or one)."""
+    from django.db.models import Max, Min
+
+    span = rows.aggregate(first=Min("created_at"), last=Max("created_at"))
+    return (span["last"] - span["first"]).total_seconds() if span["first"] else 0.0
 
 
 def readable_counter_mismatches(cast: Cast) -> list[str]:
