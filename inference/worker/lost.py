@@ -67,19 +67,20 @@ def settle_requests_never_picked_up(now: datetime | None = None) -> int:
     now = now or timezone.now()
     waited_s = settings.CEILING_FIRST_TOKEN_TIMEOUT_S + UNCLAIMED_GRACE_S
     # Older rows are the reconciliation's (budgets/reconcile.py), which fails them the same way.
-    candidates = list(
-        TokenLog.objects.filter(
+    candidates = {
+        row.request_id: row
+        for row in TokenLog.objects.filter(
             status=TokenLog.Status.RUNNING,
             created_at__lt=now - timedelta(seconds=waited_s),
             created_at__gte=now - timedelta(seconds=settings.CEILING_RESERVATION_TTL_S),
-        ).order_by("created_at").values_list("request_id", flat=True)[:UNCLAIMED_BATCH]
-    )
+        ).order_by("created_at")[:UNCLAIMED_BATCH]
+    }
     settled = 0
     error = NEVER_PICKED_UP_ERROR.format(seconds=waited_s)
-    for row in TokenLog.objects.filter(request_id__in=unclaimed(candidates)):
-        if fail_lost_request(row, error):
+    for request_id in unclaimed(list(candidates)):
+        if fail_lost_request(candidates[request_id], error):
             settled += 1
-            log.warning("request %s: no worker picked it up within %.0f s; settled failed", row.request_id, waited_s)
+            log.warning("request %s: no worker picked it up within %.0f s; settled", request_id, waited_s)
     return settled
 
 
