@@ -44,6 +44,8 @@ def engine_config_from_settings(folder: Path, quantization: str | None = None) -
         quantization=quantization or settings.CEILING_QUANTIZATION,
         compile_buckets=settings.CEILING_COMPILE_BUCKETS if settings.CEILING_COMPILE_DECODE else (),
         compile_cache_dir=Path(settings.VAR_DIR) / "inductor",
+        own_kernels=settings.CEILING_OWN_KERNELS,
+        kernel_cache_dir=Path(settings.VAR_DIR) / "kernels",
     )
 
 

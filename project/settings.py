@@ -330,6 +330,10 @@ if CEILING_ATTENTION not in ("varlen", "sdpa"):
 # the engine loads (2× the weight streaming for 2-8 rows on AMD EPYC; slower on AVX-512 Xeons, so unused
 # there); off skips the measurement and keeps F.linear everywhere.
 CEILING_SKINNY_LINEAR = envbool("CEILING_SKINNY_LINEAR", True)
+# The q4 variant's 4-bit linears and int8 lm_head on Ceiling's own kernels (inference/engine/kernels/lowbit.cpp,
+# compiled for this CPU into var/kernels/ the first time a q4 engine loads, ~10 s; needs a C++ compiler, and
+# falls back to torch's kernels with a logged reason without one). Off keeps torch's kernels.
+CEILING_OWN_KERNELS = envbool("CEILING_OWN_KERNELS", True)
 # Decode-only steps of up to 1, 2, 4 or 8 rows compiled by torch.compile (one graph per bucket,
 # padded rows) in a background thread when the worker starts (about a minute per bucket on 2 cores),
 # each bucket used only where it measures faster than eager (inference/engine/owned/compiled.py).

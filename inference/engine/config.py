@@ -47,6 +47,11 @@ class EngineConfig:
     # owned loop on a CPU only. () compiles nothing.
     compile_buckets: tuple[int, ...] = ()
     compile_cache_dir: Path | None = None  # inductor's cache: a restarted worker compiles from it in seconds
+    # q4 only: Ceiling's own kernels (inference/engine/kernels) for the 4-bit block linears and the
+    # int8 lm_head, compiled for this machine on first use into kernel_cache_dir (None: a folder
+    # under the system's temporary directory); torch's kernels where they cannot be built, or with False.
+    own_kernels: bool = True
+    kernel_cache_dir: Path | None = None
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs

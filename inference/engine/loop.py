@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from . import kernels
 from .chat import encode_chat
 from .config import GREEDY, EngineConfig, EngineError, Sampling
 from .internals import kv_block_usage, scheduler_counts
@@ -37,7 +38,9 @@ from .patches import attention
 from .patches.linears import describe, measure_row_buckets, plain_linears, use_skinny_linears
 from .patches.quantization import (
     NEVER,
+    OWN_KERNELS,
     Q4,
+    TORCH_KERNELS,
     describe_q4,
     describe_wide,
     measure_q4_rows,
@@ -99,6 +102,7 @@ class Engine:
         self.q4_max_rows = 0  # steps of up to this many rows read the 4-bit weights (q4 variant only)
         self.wide_min_rows = NEVER  # steps of at least this many rows read the bf16 copy (q4 variant only)
         self.q4_max_rows_before_wide = 0  # the 4-bit route's reach as measured against fp32 alone
+        self.kernels = TORCH_KERNELS  # whose kernels the q4 variant's packed layers run on
         self.loop = config.loop  # the loop that really runs: "owned" or "transformers" (see _choose_loop)
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -129,7 +133,7 @@ class Engine:
             str(self.config.model_dir), dtype=dtype, attn_implementation="sdpa"
         )
         model = model.to(self.config.device).eval()
-        self.model = quantize_model(model, self.config.quantization)
+        self.model = quantize_model(model, self.config.quantization, own_kernels=self._own_kernels(progress))
         self.weights_bytes = weights_memory_bytes(self.model)
         on_cpu = not self.config.device.startswith("cuda")
         self.loop = self._choose_loop(progress)
@@ -150,6 +154,15 @@ class Engine:
                 self.weights_bytes = weights_memory_bytes(self.model)
                 progress(f"Wide steps, their route vs a bf16 copy per pass over the block linears: "
                          f"{describe_wide(self.wide_min_rows, wide_timings)}")
+
+    def _own_kernels(self, progress) -> bool:
+        """Whether the q4 variant runs on Ceiling's kernels: built (once per machine) and loaded now."""
+        if self.config.quantization != Q4 or not self.config.own_kernels or self.config.device.startswith("cuda"):
+            return False
+        failure = kernels.load(self.config.kernel_cache_dir)
+        self.kernels = TORCH_KERNELS if failure else OWN_KERNELS
+        progress(f"4-bit kernels: torch's ({failure})" if failure else "4-bit kernels: Ceiling's (inference/engine/kernels)")
+        return failure is None
 
     def start(self) -> None:
         if self.model is None:

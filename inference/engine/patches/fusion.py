@@ -7,10 +7,11 @@ the owned loop's runner asks for a fused q|k|v and gate|up per layer, 210 → 12
 step for SmolLM2's 30 layers.
 
 Fusing concatenates along the output rows, which every weight form here allows: fp32 and bf16
-rows, and the q4 copy's rows: the CPU int4 pack lays codes out in tiles of 64 output rows, so
-parts whose sizes are multiples of 64 (all of SmolLM2's) concatenate as they are, and others are
-packed anew from the fp32 weights (exact: they lie on the 4-bit grid); the [groups, out, 2] scales
-concatenate along `out`. The originals then become views of the fused
+rows, and the q4 copy's rows: Ceiling's kernels keep one row of codes and one of scales per
+output, so any parts concatenate; torch's CPU int4 pack lays codes out in tiles of 64 output rows,
+so parts whose sizes are multiples of 64 (all of SmolLM2's) concatenate as they are, and others are
+packed anew from the fp32 weights (exact: they lie on the 4-bit grid), its [groups, out, 2] scales
+concatenated along `out`. The originals then become views of the fused
 weight, so no weight is held twice, and keep working for every other caller (transformers' loop,
 `generate`). Each fused layer takes the routes the originals were measured to (skinny W·xᵀ row
 buckets, the q4/fp32 row limit). A layer of another type (torch.ao's int8 modules) is not fused.
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from .linears import routed_linear_forward
-from .quantization import q4_pack, q4_routed_forward
+from .quantization import OWN_KERNELS, q4_pack, q4_routed_forward
 
 # Output rows per tile of torch's CPU int4 pack (_convert_weight_to_int4pack_for_cpu).
 Q4_PACK_ROWS = 64
@@ -61,6 +62,7 @@ def _fusable(layers: list[nn.Module]) -> bool:
         and layer.weight.device == first.weight.device
         and (layer.bias is None) == (first.bias is None)
         and hasattr(layer, "q4_weight") == hasattr(first, "q4_weight")
+        and getattr(layer, "q4_kernel", None) == getattr(first, "q4_kernel", None)
         and getattr(layer, "q4_max_rows", None) == getattr(first, "q4_max_rows", None)
         and getattr(layer, "wide_min_rows", None) == getattr(first, "wide_min_rows", None)
         and hasattr(layer, "bf16_weight") == hasattr(first, "bf16_weight")
@@ -81,16 +83,19 @@ def _share_rows(layers: list[nn.Linear], weight: torch.Tensor, bias: torch.Tenso
 
 
 def _fuse_q4(fused: nn.Linear, layers: list[nn.Linear]) -> None:
-    if all(layer.out_features % Q4_PACK_ROWS == 0 for layer in layers[:-1]):
+    kernel = layers[0].q4_kernel
+    own = kernel == OWN_KERNELS  # Ceiling's layout is one row per output: every size concatenates
+    if own or all(layer.out_features % Q4_PACK_ROWS == 0 for layer in layers[:-1]):
         codes = torch.cat([layer.q4_weight for layer in layers])
-        scales_and_zeros = torch.cat([layer.q4_scales_and_zeros for layer in layers], dim=1).contiguous()
+        scales_and_zeros = torch.cat([layer.q4_scales_and_zeros for layer in layers], dim=0 if own else 1).contiguous()
         start = 0
         for layer in layers:  # the codes too are views now; the scales are a few KiB and stay apart
             end = start + layer.out_features
             layer.q4_weight = codes[start:end]
             start = end
     else:
-        codes, scales_and_zeros = q4_pack(fused.weight.detach(), "a fused layer")
+        codes, scales_and_zeros = q4_pack(fused.weight.detach(), "a fused layer", kernel)
+    fused.q4_kernel = kernel
     fused.register_buffer("q4_weight", codes, persistent=False)
     fused.register_buffer("q4_scales_and_zeros", scales_and_zeros, persistent=False)
     fused.q4_max_rows, fused.wide_min_rows = layers[0].q4_max_rows, layers[0].wide_min_rows

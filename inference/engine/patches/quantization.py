@@ -16,8 +16,14 @@ tests/test_quantization.py:
 
 "q4" serves decode steps from the model's own 4-bit weights. The shipped model is a Q4_1 GGUF:
 every weight of the decoder layers' linears is d·q + m for a 4-bit q and one (d, m) pair per 32
-weights, so the fp32 weights we load lie on that grid, and `q4_pack` recovers q, d and m from them
-(it refuses weights off such a grid rather than round them). torch's CPU int4 kernel
+weights, so the fp32 weights we load lie on that grid, and `q4_grid` recovers q, d and m from them
+(it refuses weights off such a grid rather than round them). Where Ceiling's own kernels build
+(inference/engine/kernels: the default on CPU) the codes and float16 (d, m) are kept as the GGUF
+has them and multiplied with the activations quantized to int8 per 32 values (llama.cpp's Q4_1 ×
+Q8_1 arithmetic, AVX-512 VNNI); the lm_head's int8 copy below runs on the same kernels. That is a
+change of numerics like bf16 activations, under the same evaluation gate; a lone request's compiled
+step cost 12.4-13.0 ms of one core against 16.1-17.3 ms on torch's kernels (docs/engine.md).
+Otherwise torch's CPU int4 kernel
 (`_weight_int4pack_mm_for_cpu`, groups of 32, w = (q − 8)·scale + zero) is fast only with bf16
 activations and bf16 scales and zeros (fp16 or fp32 ran 6-35× slower than bf16 here), so a q4
 step rounds each group's scale and zero and its input rows to bf16 — the numerics of serving in
@@ -50,10 +56,12 @@ from __future__ import annotations
 
 import types
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from inference.engine import kernels
 from inference.engine.patches.linears import routed_linear_forward, time_routes
 
 NONE = "none"
@@ -70,6 +78,10 @@ Q4_MIN_GAIN = 0.05  # the 4-bit route must beat fp32 by this much for a bucket t
 # measured at these row counts too, the last standing for every longer step.
 WIDE_ROW_BUCKETS = (*Q4_ROW_BUCKETS, 256)
 NEVER = 1 << 30  # a wide_min_rows no step reaches: the layer has no bf16 route
+# Which kernel a packed layer's 4-bit (or the lm_head's int8) copy is laid out for: Ceiling's own
+# (inference/engine/kernels, the default where it builds) or torch's.
+OWN_KERNELS = "ceiling"
+TORCH_KERNELS = "torch"
 
 
 class QuantizationError(RuntimeError):
@@ -85,14 +97,17 @@ def check_mode(mode: str, device: str) -> None:
         )
 
 
-def quantize_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
-    """The model with its weights stored as `mode` asks; "none" returns it unchanged."""
+def quantize_model(model: torch.nn.Module, mode: str, own_kernels: bool = False) -> torch.nn.Module:
+    """The model with its weights stored as `mode` asks; "none" returns it unchanged.
+
+    own_kernels: q4 lays its copies out for Ceiling's kernels (loaded by the caller: kernels.load).
+    """
     device = str(next(model.parameters()).device)
     check_mode(mode, device)
     if mode == NONE:
         return model
     if mode == Q4:
-        return pack_q4(model)
+        return pack_q4(model, own_kernels)
     if mode == BF16:
         return model.to(torch.bfloat16)  # the paged KV cache follows the model's dtype: half the bytes too
     qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
@@ -186,29 +201,34 @@ def q4_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and ".layers." in f".{name}"]
 
 
-def pack_q4(model: nn.Module) -> nn.Module:
+def pack_q4(model: nn.Module, own_kernels: bool = False) -> nn.Module:
     """Give each decoder-layer linear a 4-bit copy of its weights and route few-row steps to it.
 
     Refused unless every weight lies on a 4-bit grid of 32-weight groups (the Q4_1 GGUF's): packing
     anything else would quantize the weights anew, and q4 promises the model's own 4-bit codes.
-    Until `measure_q4_rows` runs, no step takes the 4-bit route.
+    Until `measure_q4_rows` runs, no step takes the 4-bit route. With own_kernels the copies are
+    laid out for Ceiling's kernels (every layer's, or none's where a scale is not a float16).
     """
     layers = q4_layers(model)
     if not layers:
         raise QuantizationError("q4 found no decoder-layer linears to pack in this model")
     # Every layer is packed before any is changed: a refusal leaves the model as it was.
-    packs = [q4_pack(layer.weight.detach(), name) for name, layer in layers]
+    grids = [q4_grid(layer.weight.detach(), name) for name, layer in layers]
+    kernel = OWN_KERNELS if own_kernels and all(grid.fits_float16() for grid in grids) else TORCH_KERNELS
+    packs = [grid.pack(kernel) for grid in grids]
     head = q8_head(model)
     if head is not None:
-        weight, scales = q8_pack(head.weight.detach())
+        weight, scales = q8_pack(head.weight.detach(), kernel)
         head.register_buffer("q8_weight", weight, persistent=False)
         head.register_buffer("q8_scales", scales, persistent=False)
+        head.q4_kernel = kernel
         head.q4_max_rows, head.wide_min_rows = 0, NEVER
         head.consults_skinny_routes = True
         head.forward = types.MethodType(q8_routed_forward, head)
     for (_, layer), (packed, scales_and_zeros) in zip(layers, packs, strict=True):
         layer.register_buffer("q4_weight", packed, persistent=False)
         layer.register_buffer("q4_scales_and_zeros", scales_and_zeros, persistent=False)
+        layer.q4_kernel = kernel
         layer.q4_max_rows, layer.wide_min_rows = 0, NEVER
         # skinny.use_skinny_linears leaves forward alone on a layer that consults skinny_routes itself.
         layer.consults_skinny_routes = True
@@ -216,8 +236,36 @@ def pack_q4(model: nn.Module) -> nn.Module:
     return model
 
 
-def q4_pack(weight: torch.Tensor, name: str = "a layer") -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed 4-bit codes, bf16 [groups, out, 2] scale and zero) of a weight on a 4-bit group grid."""
+@dataclass(frozen=True)
+class Q4Grid:
+    """A weight's 4-bit codes [out, groups, 32] and each group's scale and minimum [out, groups]: w = scale·q + minimum."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+    weight: torch.Tensor
+
+    def fits_float16(self) -> bool:
+        """Whether float16 scales and minima rebuild the weights as well as fp32 ones (a GGUF's are float16)."""
+        rebuilt = self.codes * self.scale.half().float()[..., None] + self.minimum.half().float()[..., None]
+        span = (15 * self.scale).clamp(min=1e-12)[..., None]
+        return bool(((rebuilt - self.weight).abs() <= 1e-6 * span).all())
+
+    def pack(self, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scales) in the layout `kernel` reads."""
+        out_features, groups, _ = self.codes.shape
+        if kernel == OWN_KERNELS:
+            return kernels.pack_q4(self.codes, self.scale.half(), self.minimum.half())
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            self.codes.to(torch.int32).reshape(out_features, groups * Q4_GROUP), 1
+        )
+        # torch's kernel computes (q − 8)·scale + zero: zero is the group's value at q = 8.
+        scales_and_zeros = torch.stack([self.scale.t(), (self.minimum + 8 * self.scale).t()], dim=-1)
+        return packed, scales_and_zeros.contiguous().to(torch.bfloat16)
+
+
+def q4_grid(weight: torch.Tensor, name: str = "a layer") -> Q4Grid:
+    """The 4-bit grid a weight lies on, refused with a sentence where it lies on none."""
     out_features, in_features = weight.shape
     if in_features % Q4_GROUP:
         raise QuantizationError(f"q4 needs {name}'s input size ({in_features}) to be a multiple of {Q4_GROUP}")
@@ -233,10 +281,12 @@ def q4_pack(weight: torch.Tensor, name: str = "a layer") -> tuple[torch.Tensor, 
             f"q4 serves the model's own 4-bit weights, but {off_grid} of {name}'s weights are not on a 4-bit grid "
             f"of {Q4_GROUP}-weight groups (a Q4_1 GGUF's); quantizing them would change the model"
         )
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(out_features, in_features), 1)
-    # The kernel computes (q − 8)·scale + zero: zero is the group's value at q = 8.
-    scales_and_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).contiguous().to(torch.bfloat16)
-    return packed, scales_and_zeros
+    return Q4Grid(q, scale, low, groups)
+
+
+def q4_pack(weight: torch.Tensor, name: str = "a layer", kernel: str = TORCH_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed 4-bit codes, scales) of a weight on a 4-bit group grid, laid out for `kernel`."""
+    return q4_grid(weight, name).pack(kernel)
 
 
 def q8_head(model: nn.Module) -> nn.Linear | None:
@@ -244,17 +294,27 @@ def q8_head(model: nn.Module) -> nn.Linear | None:
     return head if type(head) is nn.Linear and head.in_features % 8 == 0 else None
 
 
-def q8_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 weight, bf16 scale per output row) of a weight: symmetric, the row's largest value at ±127."""
+def q8_pack(weight: torch.Tensor, kernel: str = TORCH_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, scale per output row) of a weight: symmetric, the row's largest value at ±127.
+
+    For Ceiling's kernel the codes are stored + 128 as uint8 (its VNNI product wants them unsigned)
+    with fp32 scales; for torch's as int8 with bf16 scales (it wants bf16 activations too).
+    """
     scales = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127
-    codes = torch.round(weight.float() / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return codes.contiguous(), scales.to(torch.bfloat16)
+    codes = torch.round(weight.float() / scales[:, None]).clamp(-127, 127)
+    if kernel == OWN_KERNELS:
+        return (codes + 128).to(torch.uint8).contiguous(), scales
+    return codes.to(torch.int8).contiguous(), scales.to(torch.bfloat16)
 
 
 def q8_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    flat = x.reshape(rows, x.shape[-1]).to(torch.bfloat16)
-    out = torch.ops.aten._weight_int8pack_mm(flat, layer.q8_weight, layer.q8_scales).to(x.dtype)
+    if layer.q4_kernel == OWN_KERNELS:
+        flat = x.reshape(rows, x.shape[-1]).float().contiguous()
+        out = torch.ops.ceiling.q8_linear(flat, layer.q8_weight, layer.q8_scales).to(x.dtype)
+    else:
+        flat = x.reshape(rows, x.shape[-1]).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int8pack_mm(flat, layer.q8_weight, layer.q8_scales).to(x.dtype)
     if layer.bias is not None:
         out = out + layer.bias
     return out.view(*x.shape[:-1], layer.out_features)
@@ -280,10 +340,15 @@ def bf16_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def q4_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """x · Wᵀ from the 4-bit copy, with the activations in bf16 (the kernel's fast path)."""
+    """x · Wᵀ from the 4-bit copy: Ceiling's kernel (activations as int8 per 32 values) or torch's
+    (activations in bf16, that kernel's fast path)."""
     rows = x.numel() // x.shape[-1]
-    flat = x.reshape(rows, x.shape[-1]).to(torch.bfloat16)
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, layer.q4_weight, Q4_GROUP, layer.q4_scales_and_zeros)
+    if layer.q4_kernel == OWN_KERNELS:
+        flat = x.reshape(rows, x.shape[-1]).float().contiguous()
+        out = torch.ops.ceiling.q4_linear(flat, layer.q4_weight, layer.q4_scales_and_zeros)
+    else:
+        flat = x.reshape(rows, x.shape[-1]).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, layer.q4_weight, Q4_GROUP, layer.q4_scales_and_zeros)
     out = out.to(x.dtype)
     if layer.bias is not None:
         out = out + layer.bias

@@ -169,6 +169,8 @@ class Command(DatabaseCommand):
             "quantization": options["quantization"],
             "compile_buckets": settings.CEILING_COMPILE_BUCKETS if options["compile_decode"] else (),
             "compile_cache_dir": Path(settings.VAR_DIR) / "inductor",  # the worker's: one compile serves both
+            "own_kernels": settings.CEILING_OWN_KERNELS,
+            "kernel_cache_dir": Path(settings.VAR_DIR) / "kernels",
         }
         # Rounds, not one mode N times in a row: a VM's slow minutes then fall on every mode alike.
         runs: dict[str, list[dict]] = {}

@@ -1,0 +1,306 @@
+// Decode-step linears over the model's own low-bit weights, for a few token rows at a time.
+//
+// A decode step multiplies a handful of rows by every weight once, so it is bound by reading the
+// weights; torch's CPU int4 kernel streamed them at ~7 GB/s on an Intel Xeon (bf16 activations,
+// its own tile layout), a third of what the memory gives. These loops read each output row's
+// weights once, contiguously, and do every input row's arithmetic on them while they are in
+// registers. The activations are quantized to int8 per 32 values (scale: the group's largest |x|
+// at 127) so that AVX-512 VNNI multiplies 64 weights by 64 activations per instruction, as
+// llama.cpp does for Q4_1 × Q8_1:
+//
+//   ceiling::q4_linear(x[M,K] f32, codes[N,K/2] u8, scales_and_mins[N,⌈K/128⌉,8] f16) -> [M,N] f32
+//       Q4_1 as in the GGUF: per 32 weights one scale d and one minimum m, w = d·q + m, q in 0..15;
+//       byte j of a group holds q[j] in its low nibble and q[j+16] in its high nibble; per 4
+//       groups the scales row holds their 4 d, then their 4 m.
+//       Σ w·x = Σ_groups d·s·Σ q·q_x + m·Σ x  (s, q_x: the activations' int8 scale and codes).
+//   ceiling::q8_linear(x[M,K] f32, codes[N,K] u8, scales[N] f32) -> [M,N] f32
+//       int8 weights stored + 128, one scale per output row (the lm_head's int8 copy).
+//
+// Built once per machine with -march=native (inference/engine/kernels/__init__.py); without
+// AVX-512 VNNI the same arithmetic runs as plain loops the compiler vectorises.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__F16C__)
+#include <immintrin.h>
+#define CEILING_AVX512 1
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define CEILING_VNNI 1
+#endif
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kChunk = 4;         // groups per step of the 4-bit loop: 64 bytes of codes
+constexpr int kRowTile = 4;           // input rows sharing one output row's decoded weights
+
+// The input rows quantized as the weights' partner, per 32-value group: int8 codes q and a scale s
+// (x ≈ s·q, the group's largest |x| at 127), laid out as the 4-bit loop reads them. Per chunk of 4
+// groups: 64 bytes of each group's values 0-15, then 64 bytes of its values 16-31, the order the
+// low and high nibbles of the chunk's 64 code bytes come in. Scales are repeated 4 times, one per
+// int32 lane of the dot product that group lands in. Σx per group stays exact (fp32): it meets
+// the minimum m, Σ w·x = Σ_g d_g·s_g·Σ q_w·q_x + m_g·Σ x.
+struct QuantizedRows {
+  int64_t chunks;
+  std::vector<int8_t> codes;  // [rows, chunks, 128]
+  std::vector<float> scales;  // [rows, chunks, 16]
+  std::vector<float> sums;    // [rows, chunks, 16]: a quarter of the group's Σx in each of its lanes
+
+  QuantizedRows(const float* x, int64_t rows, int64_t k)
+      : chunks((k / kGroup + kChunk - 1) / kChunk),
+        codes(rows * chunks * 128, 0),
+        scales(rows * chunks * 16, 0.f),
+        sums(rows * chunks * 16, 0.f) {
+    const int64_t groups = k / kGroup;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* part = x + r * k + g * kGroup;
+        float largest = 0.f, total = 0.f;
+        for (int64_t j = 0; j < kGroup; ++j) {
+          largest = std::max(largest, std::abs(part[j]));
+          total += part[j];
+        }
+        const float scale = largest / 127.f, inverse = largest > 0.f ? 127.f / largest : 0.f;
+        const int64_t chunk = r * chunks + g / kChunk, lane = g % kChunk;
+        int8_t* low = codes.data() + chunk * 128 + lane * 16;
+        for (int64_t j = 0; j < 16; ++j) {
+          low[j] = static_cast<int8_t>(std::nearbyint(part[j] * inverse));
+          low[64 + j] = static_cast<int8_t>(std::nearbyint(part[16 + j] * inverse));
+        }
+        std::fill_n(scales.data() + chunk * 16 + lane * 4, 4, scale);
+        std::fill_n(sums.data() + chunk * 16 + lane * 4, 4, total / 4);
+      }
+    }
+  }
+};
+
+// One output row for R input rows. `scales` holds, per chunk of 4 groups, their 4 scales d then
+// their 4 minima m (fp16, zero past the last group): one 16-byte load per chunk.
+template <int R>
+void q4_row(const QuantizedRows& xq, int64_t first, int64_t groups, const uint8_t* codes, const at::Half* scales,
+            float* out, int64_t ldo) {
+  const int64_t chunks = xq.chunks;
+#ifdef CEILING_VNNI
+  // Per chunk: the 64 code bytes' low nibbles are the 4 groups' weights 0-15, the high nibbles
+  // 16-31; two VNNI dot products (u8 × s8 → int32, 4 products per lane) give lanes 4i..4i+3 the
+  // partial sums of group i, scaled per lane by d·s and accumulated in fp32 with m·Σx.
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i spread_d = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i spread_m = _mm512_add_epi32(spread_d, _mm512_set1_epi32(4));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  auto step = [&](int64_t c, __m512i packed) {
+    const __m512i low = _mm512_and_si512(packed, nibble);
+    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    const __m512 both = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c * 8))));
+    const __m512 d = _mm512_permutexvar_ps(spread_d, both);
+    const __m512 m = _mm512_permutexvar_ps(spread_m, both);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (first + r) * chunks + c;
+      const int8_t* x = xq.codes.data() + at * 128;
+      __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(x));
+      sum = _mm512_dpbusd_epi32(sum, high, _mm512_loadu_si512(x + 64));
+      const __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(xq.scales.data() + at * 16));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xq.sums.data() + at * 16), acc[r]);  // m·Σx, a quarter per lane
+    }
+  };
+  const int64_t full = groups / kChunk;
+  for (int64_t c = 0; c < full; ++c) step(c, _mm512_loadu_si512(codes + c * 64));
+  if (full < chunks) {  // the last chunk's groups past the row's end read as zero codes
+    const __mmask64 live = (__mmask64(1) << ((groups - full * kChunk) * 16)) - 1;
+    step(full, _mm512_maskz_loadu_epi8(live, codes + full * 64));
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    float total = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t c = g / kChunk, lane = g % kChunk, at = (first + r) * chunks + c;
+      const int8_t* x = xq.codes.data() + at * 128 + lane * 16;
+      const uint8_t* block = codes + g * 16;
+      int32_t sum = 0;
+      for (int j = 0; j < 16; ++j) sum += int32_t(block[j] & 0x0F) * x[j] + int32_t(block[j] >> 4) * x[64 + j];
+      const float d = static_cast<float>(scales[c * 8 + lane]), m = static_cast<float>(scales[c * 8 + 4 + lane]);
+      total += d * xq.scales[at * 16 + lane * 4] * float(sum) + m * 4 * xq.sums[at * 16 + lane * 4];
+    }
+    out[r * ldo] = total;
+  }
+#endif
+}
+
+// The input rows quantized for the int8 product: per 32 values int8 codes q and a scale s, in
+// chunks of 2 groups (64 bytes), each scale repeated over the 8 int32 lanes its group lands in.
+// The weights are stored as w + 128 (unsigned, as VNNI's first operand must be), so every dot
+// product carries 128·Σq too: `offset` is that share of the row's result, 128·Σ_g s_g·Σq_g.
+struct Q8Rows {
+  int64_t chunks;
+  std::vector<int8_t> codes;  // [rows, chunks, 64]
+  std::vector<float> scales;  // [rows, chunks, 16]
+  std::vector<float> offset;  // [rows]
+
+  Q8Rows(const float* x, int64_t rows, int64_t k)
+      : chunks((k / kGroup + 1) / 2), codes(rows * chunks * 64, 0), scales(rows * chunks * 16, 0.f), offset(rows, 0.f) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t g = 0; g < k / kGroup; ++g) {
+        const float* part = x + r * k + g * kGroup;
+        float largest = 0.f;
+        for (int64_t j = 0; j < kGroup; ++j) largest = std::max(largest, std::abs(part[j]));
+        const float scale = largest / 127.f, inverse = largest > 0.f ? 127.f / largest : 0.f;
+        int8_t* group = codes.data() + (r * chunks + g / 2) * 64 + (g % 2) * 32;
+        int32_t total = 0;
+        for (int64_t j = 0; j < kGroup; ++j) {
+          group[j] = static_cast<int8_t>(std::nearbyint(part[j] * inverse));
+          total += group[j];
+        }
+        std::fill_n(scales.data() + (r * chunks + g / 2) * 16 + (g % 2) * 8, 8, scale);
+        offset[r] += 128.f * scale * float(total);
+      }
+    }
+  }
+};
+
+// One output row of the int8 product for R input rows: per 64 weights one VNNI dot product per
+// input row, scaled per lane by its group's s.
+template <int R>
+void q8_row(const Q8Rows& xq, int64_t first, int64_t k, const uint8_t* codes, float scale, float* out, int64_t ldo) {
+  const int64_t chunks = xq.chunks;
+#ifdef CEILING_VNNI
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __mmask64 live = (c + 1) * 64 <= k ? ~__mmask64(0) : (__mmask64(1) << (k - c * 64)) - 1;
+    const __m512i w = _mm512_maskz_loadu_epi8(live, codes + c * 64);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (first + r) * chunks + c;
+      const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(xq.codes.data() + at * 64));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_loadu_ps(xq.scales.data() + at * 16), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = scale * (_mm512_reduce_add_ps(acc[r]) - xq.offset[first + r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    float total = 0.f;
+    for (int64_t g = 0; g < k / kGroup; ++g) {
+      const int64_t at = (first + r) * chunks + g / 2;
+      const int8_t* x = xq.codes.data() + at * 64 + (g % 2) * 32;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < kGroup; ++j) sum += int32_t(codes[g * kGroup + j]) * x[j];
+      total += xq.scales[at * 16 + (g % 2) * 8] * float(sum);
+    }
+    out[r * ldo] = scale * (total - xq.offset[first + r]);
+  }
+#endif
+}
+
+// Calls row<R>(first input row, R) over the input rows in tiles of kRowTile, the last tile narrower.
+template <typename Row>
+void over_row_tiles(int64_t rows, Row&& row) {
+  int64_t first = 0;
+  for (; first + kRowTile <= rows; first += kRowTile) row(first, std::integral_constant<int, kRowTile>{});
+  switch (rows - first) {
+    case 3: row(first, std::integral_constant<int, 3>{}); break;
+    case 2: row(first, std::integral_constant<int, 2>{}); break;
+    case 1: row(first, std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
+void check_input(const at::Tensor& x, int64_t k, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
+              ": x must be a contiguous [rows, in] float32 tensor");
+  TORCH_CHECK(x.size(1) == k, op, ": x has ", x.size(1), " columns, the weights ", k);
+}
+
+// Asks for the cache lines of the output row kPrefetchRows ahead while this one is computed: each
+// row is a few hundred bytes, and without it a lone row's step stalled on memory as long as it
+// computed (4-bit pass over SmolLM2's layers, one thread: 12.5 ms without, 9.9 at 4 rows ahead,
+// 8.8 at 12, 7.0 at 32; torch's kernel 11.3-8.7 ms in the same runs, a noisy machine).
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 16
+#endif
+constexpr int64_t kPrefetchRows = PREFETCH_ROWS;
+inline void prefetch_row(const void* codes, int64_t code_bytes, const void* scales, int64_t scale_bytes) {
+  for (int64_t at = 0; at < code_bytes; at += 64) __builtin_prefetch(static_cast<const char*>(codes) + at);
+  for (int64_t at = 0; at < scale_bytes; at += 64) __builtin_prefetch(static_cast<const char*>(scales) + at);
+}
+
+// Output rows per task: enough work to pay for handing it to a thread, small enough to split evenly.
+constexpr int64_t kGrain = 16;
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_and_mins) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "q4_linear: codes must be a contiguous [out, in/2] uint8 tensor");
+  const int64_t n = codes.size(0), k = codes.size(1) * 2, groups = k / kGroup;
+  TORCH_CHECK(k % kGroup == 0, "q4_linear: in must be a multiple of 32");
+  const int64_t chunks = (groups + kChunk - 1) / kChunk;
+  TORCH_CHECK(scales_and_mins.scalar_type() == at::kHalf && scales_and_mins.is_contiguous() &&
+                  scales_and_mins.numel() == n * chunks * 8,
+              "q4_linear: scales_and_mins must be a contiguous [out, ceil(in/128), 8] float16 tensor");
+  check_input(x, k, "q4_linear");
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const QuantizedRows xq(x.data_ptr<float>(), rows, k);
+  const uint8_t* all_codes = codes.data_ptr<uint8_t>();
+  const at::Half* all_scales = scales_and_mins.data_ptr<at::Half>();
+  float* result = out.data_ptr<float>();
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const uint8_t* row_codes = all_codes + o * (k / 2);
+      const at::Half* row_scales = all_scales + o * chunks * 8;
+      prefetch_row(row_codes + kPrefetchRows * (k / 2), k / 2, row_scales + kPrefetchRows * chunks * 8, chunks * 16);
+      over_row_tiles(rows, [&](int64_t first, auto tile) {
+        q4_row<decltype(tile)::value>(xq, first, groups, row_codes, row_scales, result + first * n + o, n);
+      });
+    }
+  });
+  return out;
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "q8_linear: codes must be a contiguous [out, in] uint8 tensor (the int8 weights + 128)");
+  const int64_t n = codes.size(0), k = codes.size(1);
+  TORCH_CHECK(k % kGroup == 0, "q8_linear: in must be a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n,
+              "q8_linear: scales must be a contiguous [out] float32 tensor");
+  check_input(x, k, "q8_linear");
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const Q8Rows xq(x.data_ptr<float>(), rows, k);
+  const uint8_t* all_codes = codes.data_ptr<uint8_t>();
+  const float* all_scales = scales.data_ptr<float>();
+  float* result = out.data_ptr<float>();
+  at::parallel_for(0, n, kGrain * 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const uint8_t* row_codes = all_codes + o * k;
+      prefetch_row(row_codes + kPrefetchRows * k, k, nullptr, 0);
+      over_row_tiles(rows, [&](int64_t first, auto tile) {
+        q8_row<decltype(tile)::value>(xq, first, k, row_codes, all_scales[o], result + first * n + o, n);
+      });
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ceiling, m) {
+  m.def("q4_linear(Tensor x, Tensor codes, Tensor scales_and_mins) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ceiling, CPU, m) {
+  m.impl("q4_linear", &q4_linear);
+  m.impl("q8_linear", &q8_linear);
+}
