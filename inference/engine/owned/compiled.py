@@ -198,7 +198,11 @@ class DecodeCompiler:
     def _compile_and_choose(self) -> None:
         runner = self.runner
         eager = decode_step_function(runner)
-        compiled = torch.compile(eager, dynamic=True)
+        # No guards on the model's modules: checking their attributes (each layer's routes, every
+        # weight) cost ~1 ms of a lone step's ~12 (one thread, interleaved runs, docs/engine.md).
+        # The modules are fixed by then: routes are measured at load, before any step compiles.
+        compiled = torch.compile(eager, dynamic=True,
+                                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         # A scratch cache of the live one's layout (one spare block, as runner.py's): the live cache
         # holds other requests' KV.
         shape = ((_scratch_blocks(runner) + 1) * runner.page_size, runner.kv_heads, runner.head_dim)
