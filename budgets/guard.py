@@ -25,7 +25,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
-from . import ledger_writer, redis_clients, refcache
+from . import ledger_sql, ledger_writer, redis_clients, refcache
 from .counters import AdmitResult, CounterGroup, CounterSpec, CounterStore, Limits, Usage
 from .live import publish_on_commit
 from .models import (
@@ -425,6 +425,8 @@ def _mark_admitted(row: TokenLog, result: AdmitResult, served: Candidate, reques
     with ledger_writer.writer.counted():
         if shared:
             ledger_writer.writer.mark_admitted(row)  # shares its commit with the other admissions'
+        elif requested is None:
+            ledger_sql.update(fields, {"id": row.pk})
         else:
             TokenLog.objects.filter(pk=row.pk).update(**fields)
 
@@ -472,7 +474,7 @@ def _open_row(request, provider, price, ceilings, now, team=None) -> tuple[Token
                 ledger_writer.writer.insert(row)  # returns once committed, with the other admissions' rows
             else:
                 with in_transaction:
-                    row.save(force_insert=True)
+                    ledger_sql.insert(row)
     except IntegrityError:
         if not TokenLog.objects.filter(request_id=request.request_id).exists():
             raise  # another constraint failed: not a duplicate
@@ -606,7 +608,7 @@ def _settle_counters(row: TokenLog, *, count_as_used: bool) -> bool:
     if ledger_writer.group_commit_applies():
         ledger_writer.writer.mark_settled_later(row.pk)  # if lost, reconciliation settles again: a no-op
     else:
-        TokenLog.objects.filter(pk=row.pk, counters_settled=False).update(counters_settled=True)
+        ledger_sql.update({"counters_settled": True}, {"id": row.pk, "counters_settled": False})
     row.counters_settled = True
     return first_time
 
