@@ -119,13 +119,10 @@ def do_record_usage(
     usage and reads the row back, which the dashboard event and the caller's settle use as they are.
     """
     now = timezone.now()
-    found = TokenLog.objects.filter(request_id=request_id, status=TokenLog.Status.RUNNING).values_list(
-        "price_id", "created_at"
-    )
-    found = next(iter(found[:1]), None)
-    if found is None:
+    found = ledger_sql.select(("status", "price_id", "created_at"), "request_id", request_id)
+    if found is None or found[0] != TokenLog.Status.RUNNING:
         return None
-    price_id, created_at = found
+    _, price_id, created_at = found
     price = price_by_id(price_id) if price_id is not None else None
     cost = price.cost_micro_usd(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if price else 0
     total_ms = max(0, int((now - created_at).total_seconds() * 1000))

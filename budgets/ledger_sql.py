@@ -6,6 +6,11 @@ statements is compiled again on every call, and that compilation, not the databa
 admit+settle cycle's CPU (docs/benchmarks.md). Here the SQL text is made once from the model's
 fields; each value still goes through its field's own get_db_prep_save, so a column holds exactly
 what Model.save() would have written, on PostgreSQL and on SQLite (≥ 3.35, for RETURNING) alike.
+
+On PostgreSQL they also run as prepared statements (parameters bound by the server, each statement
+parsed and planned once per connection), which took a third off PostgreSQL's CPU for a cycle;
+the rest of Django keeps its client-side binding, which some ORM queries need. They still go
+through Django's cursor wrapper: queries are logged and execute wrappers see them.
 """
 
 from __future__ import annotations
@@ -15,6 +20,11 @@ from functools import lru_cache
 
 from django.db import connection
 from django.db.models import Field
+
+try:
+    import psycopg
+except ImportError:  # SQLite only
+    psycopg = None
 
 from .models import TokenLog
 
@@ -35,7 +45,7 @@ def insert(row: TokenLog) -> None:
     nothing listens to TokenLog's)."""
     sql, fields = _insert_sql(connection.vendor)
     params = [f.get_db_prep_save(f.pre_save(row, True), connection) for f in fields]
-    with connection.cursor() as cursor:
+    with _cursor() as cursor:
         cursor.execute(sql, params)
         row.pk = cursor.fetchone()[0]
     row._state.adding = False
@@ -62,7 +72,7 @@ def _params(values: Mapping[str, object]) -> list:
 def update(values: Mapping[str, object], where: Mapping[str, object]) -> int:
     """UPDATE … SET values WHERE every `where` field equals its value; the rows it changed."""
     sql = _update_sql(connection.vendor, tuple(values), tuple(where), False)
-    with connection.cursor() as cursor:
+    with _cursor() as cursor:
         cursor.execute(sql, _params(values) + _params(where))
         return cursor.rowcount
 
@@ -71,5 +81,82 @@ def update_returning(values: Mapping[str, object], where: Mapping[str, object]) 
     """update() of one row by a unique key, and that row as it now is (None when nothing matched):
     one statement where filter().update() and a get() are two, each compiled by the ORM."""
     sql = _update_sql(connection.vendor, tuple(values), tuple(where), True)
-    rows = list(TokenLog.objects.raw(sql, _params(values) + _params(where)))
-    return rows[0] if rows else None
+    with _cursor() as cursor:
+        cursor.execute(sql, _params(values) + _params(where))
+        found = cursor.fetchone()
+    return _from_db(found) if found is not None else None
+
+
+@lru_cache(maxsize=4)
+def _select_sql(vendor: str, names: tuple[str, ...], key: str) -> str:
+    meta = TokenLog._meta
+    quote = connection.ops.quote_name
+    columns = ", ".join(quote(meta.get_field(name).column) for name in names)
+    return f"SELECT {columns} FROM {quote(meta.db_table)} WHERE {quote(meta.get_field(key).column)} = %s"
+
+
+def select(names: tuple[str, ...], key: str, value: object) -> tuple | None:
+    """Some fields of the row whose unique `key` is `value`, converted as the ORM would."""
+    with _cursor() as cursor:
+        cursor.execute(_select_sql(connection.vendor, names, key), [value])
+        found = cursor.fetchone()
+    if found is None:
+        return None
+    plan = _converters(connection.vendor)[2]
+    return tuple(_convert(v, *plan[name]) if name in plan else v for name, v in zip(names, found, strict=True))
+
+
+@lru_cache(maxsize=4)
+def _converters(vendor: str) -> tuple[tuple[str, ...], tuple, dict[str, tuple]]:
+    """The attribute names of a full row, and for the columns that need them their conversions
+    from the database, as the ORM's compiler applies them: the backend's first (SQLite's dates and
+    booleans), then the field's own (the JSON column). (names, [(index, column, converters)], by name)"""
+    fields = TokenLog._meta.concrete_fields
+    plan = []
+    for i, field in enumerate(fields):
+        column = field.get_col(TokenLog._meta.db_table)
+        found = tuple(connection.ops.get_db_converters(column)) + tuple(field.get_db_converters(connection))
+        if found:
+            plan.append((i, column, found))
+    by_name = {fields[i].name: (column, found) for i, column, found in plan}
+    by_name |= {fields[i].attname: (column, found) for i, column, found in plan}
+    return tuple(f.attname for f in fields), tuple(plan), by_name
+
+
+def _convert(value: object, column, converters: tuple) -> object:
+    for convert in converters:
+        value = convert(value, column, connection)
+    return value
+
+
+def _from_db(values: tuple) -> TokenLog:
+    """A model instance from a full row, as the ORM would build it."""
+    names, plan, _ = _converters(connection.vendor)
+    values = list(values)
+    for i, column, converters in plan:
+        values[i] = _convert(values[i], column, converters)
+    return TokenLog.from_db(connection.alias, names, values)
+
+
+# A threshold no statement reaches: the ORM's own statements stay unprepared (its client-side
+# cursor never prepares anyway), only those executed with prepare=True are.
+ONLY_WHEN_ASKED = 2**31 - 1
+
+if psycopg is not None:
+    class _PreparedCursor(psycopg.Cursor):
+        """Server-side binding, prepared on first use (psycopg keeps them per connection)."""
+
+        def execute(self, query, params=None, *, prepare=None, binary=None):
+            return super().execute(query, params, prepare=True if prepare is None else prepare, binary=binary)
+
+
+def _cursor():
+    if connection.vendor != "postgresql" or psycopg is None:
+        return connection.cursor()
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    with connection.wrap_database_errors:
+        if connection.connection.prepare_threshold is None:  # Django's default: psycopg prepares nothing
+            connection.connection.prepare_threshold = ONLY_WHEN_ASKED
+        raw = _PreparedCursor(connection.connection)
+    return connection.make_debug_cursor(raw) if connection.queries_logged else connection.make_cursor(raw)
