@@ -109,9 +109,7 @@ def database_from_url(url: str) -> dict:
             # CONN_MAX_AGE 0.
             "CONN_MAX_AGE": 0,
             "CONN_HEALTH_CHECKS": True,
-            "OPTIONS": ({"pool": database_pool_options()} if envbool("CEILING_DB_POOL", True) else {})
-            | ({"server_side_binding": True, "prepare_threshold": envint("CEILING_DB_PREPARE_THRESHOLD", 5, minimum=0)}
-               if envbool("CEILING_DB_SERVER_BINDING", False) else {}),
+            "OPTIONS": {"pool": database_pool_options()} if envbool("CEILING_DB_POOL", True) else {},
             "TEST": {"NAME": f"test_{name}"},
         }
     raise ImproperlyConfigured(f"DATABASE_URL={url!r}: unsupported scheme {parsed.scheme!r} (use sqlite or postgres)")
