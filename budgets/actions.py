@@ -111,18 +111,24 @@ def do_record_usage(
     finish_reason: str = "",
     error: str = "",
     ttft_ms: int | None = None,
+    admitted: TokenLog | None = None,
 ) -> TokenLog | None:
     """Settle a running request once, costed at the price in force when it was admitted.
 
     Returns the settled row as it now is, or None when it was already settled (a replay changes
-    nothing). Two statements: the row's price and start, then one UPDATE … RETURNING that writes the
-    usage and reads the row back, which the dashboard event and the caller's settle use as they are.
+    nothing). One UPDATE … RETURNING writes the usage and reads the row back, which the dashboard
+    event and the caller's settle use as they are. `admitted`: the row as the caller holds it since
+    its admission (the worker reads it when it starts), whose price and start are all this needs
+    from it; without it they are read first.
     """
     now = timezone.now()
-    found = ledger_sql.select(("status", "price_id", "created_at"), "request_id", request_id)
-    if found is None or found[0] != TokenLog.Status.RUNNING:
-        return None
-    _, price_id, created_at = found
+    if admitted is not None and admitted.request_id == request_id:
+        price_id, created_at = admitted.price_id, admitted.created_at
+    else:
+        found = ledger_sql.select(("status", "price_id", "created_at"), "request_id", request_id)
+        if found is None or found[0] != TokenLog.Status.RUNNING:
+            return None
+        _, price_id, created_at = found
     price = price_by_id(price_id) if price_id is not None else None
     cost = price.cost_micro_usd(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if price else 0
     total_ms = max(0, int((now - created_at).total_seconds() * 1000))
