@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from functools import lru_cache
 
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Field
 
 try:
@@ -30,11 +31,17 @@ except ImportError:  # SQLite only
 from .models import TokenLog
 
 
+def _db() -> BaseDatabaseWrapper:
+    """This thread's connection itself: every attribute read through django.db.connection, a proxy
+    to a thread-local, costs a lookup, and preparing one row's values reads ~50."""
+    return connections[DEFAULT_DB_ALIAS]
+
+
 @lru_cache(maxsize=4)
 def _insert_sql(vendor: str) -> tuple[str, tuple[Field, ...]]:
     meta = TokenLog._meta
     fields = tuple(f for f in meta.concrete_fields if not f.primary_key)
-    quote = connection.ops.quote_name
+    quote = _db().ops.quote_name
     columns = ", ".join(quote(f.column) for f in fields)
     values = ", ".join(["%s"] * len(fields))
     return (f"INSERT INTO {quote(meta.db_table)} ({columns}) VALUES ({values}) RETURNING {quote(meta.pk.column)}",
@@ -44,19 +51,20 @@ def _insert_sql(vendor: str) -> tuple[str, tuple[Field, ...]]:
 def insert(row: TokenLog) -> None:
     """INSERT the new row and set its primary key, as row.save(force_insert=True) does (no signals:
     nothing listens to TokenLog's)."""
-    sql, fields = _insert_sql(connection.vendor)
-    params = [f.get_db_prep_save(f.pre_save(row, True), connection) for f in fields]
-    with _cursor() as cursor:
+    db = _db()
+    sql, fields = _insert_sql(db.vendor)
+    params = [f.get_db_prep_save(f.pre_save(row, True), db) for f in fields]
+    with _cursor(db) as cursor:
         cursor.execute(sql, params)
         row.pk = cursor.fetchone()[0]
     row._state.adding = False
-    row._state.db = connection.alias
+    row._state.db = db.alias
 
 
 @lru_cache(maxsize=32)
 def _update_sql(vendor: str, names: tuple[str, ...], where: tuple[str, ...], returning: bool) -> str:
     meta = TokenLog._meta
-    quote = connection.ops.quote_name
+    quote = _db().ops.quote_name
     sets = ", ".join(f"{quote(meta.get_field(name).column)} = %s" for name in names)
     conditions = " AND ".join(f"{quote(meta.get_field(name).column)} = %s" for name in where)
     sql = f"UPDATE {quote(meta.db_table)} SET {sets} WHERE {conditions}"
@@ -65,46 +73,49 @@ def _update_sql(vendor: str, names: tuple[str, ...], where: tuple[str, ...], ret
     return sql
 
 
-def _params(values: Mapping[str, object]) -> list:
-    meta = TokenLog._meta
-    return [meta.get_field(name).get_db_prep_save(value, connection) for name, value in values.items()]
+def _params(values: Mapping[str, object], db: BaseDatabaseWrapper) -> list:
+    field = TokenLog._meta.get_field
+    return [field(name).get_db_prep_save(value, db) for name, value in values.items()]
 
 
 def update(values: Mapping[str, object], where: Mapping[str, object]) -> int:
     """UPDATE … SET values WHERE every `where` field equals its value; the rows it changed."""
-    sql = _update_sql(connection.vendor, tuple(values), tuple(where), False)
-    with _cursor() as cursor:
-        cursor.execute(sql, _params(values) + _params(where))
+    db = _db()
+    sql = _update_sql(db.vendor, tuple(values), tuple(where), False)
+    with _cursor(db) as cursor:
+        cursor.execute(sql, _params(values, db) + _params(where, db))
         return cursor.rowcount
 
 
 def update_returning(values: Mapping[str, object], where: Mapping[str, object]) -> TokenLog | None:
     """update() of one row by a unique key, and that row as it now is (None when nothing matched):
     one statement where filter().update() and a get() are two, each compiled by the ORM."""
-    sql = _update_sql(connection.vendor, tuple(values), tuple(where), True)
-    with _cursor() as cursor:
-        cursor.execute(sql, _params(values) + _params(where))
+    db = _db()
+    sql = _update_sql(db.vendor, tuple(values), tuple(where), True)
+    with _cursor(db) as cursor:
+        cursor.execute(sql, _params(values, db) + _params(where, db))
         found = cursor.fetchone()
-    return _from_db(found) if found is not None else None
+    return _from_db(found, db) if found is not None else None
 
 
 @lru_cache(maxsize=4)
 def _select_sql(vendor: str, names: tuple[str, ...], key: str) -> str:
     meta = TokenLog._meta
-    quote = connection.ops.quote_name
+    quote = _db().ops.quote_name
     columns = ", ".join(quote(meta.get_field(name).column) for name in names)
     return f"SELECT {columns} FROM {quote(meta.db_table)} WHERE {quote(meta.get_field(key).column)} = %s"
 
 
 def select(names: tuple[str, ...], key: str, value: object) -> tuple | None:
     """Some fields of the row whose unique `key` is `value`, converted as the ORM would."""
-    with _cursor() as cursor:
-        cursor.execute(_select_sql(connection.vendor, names, key), [value])
+    db = _db()
+    with _cursor(db) as cursor:
+        cursor.execute(_select_sql(db.vendor, names, key), [value])
         found = cursor.fetchone()
     if found is None:
         return None
-    plan = _converters(connection.vendor)[2]
-    return tuple(_convert(v, *plan[name]) if name in plan else v for name, v in zip(names, found, strict=True))
+    plan = _converters(db.vendor)[2]
+    return tuple(_convert(v, *plan[name], db) if name in plan else v for name, v in zip(names, found, strict=True))
 
 
 @lru_cache(maxsize=4)
@@ -116,7 +127,8 @@ def _converters(vendor: str) -> tuple[tuple[str, ...], tuple, dict[str, tuple]]:
     plan = []
     for i, field in enumerate(fields):
         column = field.get_col(TokenLog._meta.db_table)
-        found = tuple(connection.ops.get_db_converters(column)) + tuple(field.get_db_converters(connection))
+        db = _db()
+        found = tuple(db.ops.get_db_converters(column)) + tuple(field.get_db_converters(db))
         if found:
             plan.append((i, column, found))
     by_name = {fields[i].name: (column, found) for i, column, found in plan}
@@ -124,19 +136,19 @@ def _converters(vendor: str) -> tuple[tuple[str, ...], tuple, dict[str, tuple]]:
     return tuple(f.attname for f in fields), tuple(plan), by_name
 
 
-def _convert(value: object, column, converters: tuple) -> object:
+def _convert(value: object, column, converters: tuple, db: BaseDatabaseWrapper) -> object:
     for convert in converters:
-        value = convert(value, column, connection)
+        value = convert(value, column, db)
     return value
 
 
-def _from_db(values: tuple) -> TokenLog:
+def _from_db(values: tuple, db: BaseDatabaseWrapper) -> TokenLog:
     """A model instance from a full row, as the ORM would build it."""
-    names, plan, _ = _converters(connection.vendor)
+    names, plan, _ = _converters(db.vendor)
     values = list(values)
     for i, column, converters in plan:
-        values[i] = _convert(values[i], column, converters)
-    return TokenLog.from_db(connection.alias, names, values)
+        values[i] = _convert(values[i], column, converters, db)
+    return TokenLog.from_db(db.alias, names, values)
 
 
 # A threshold no statement reaches: the ORM's own statements stay unprepared (its client-side
@@ -151,15 +163,15 @@ if psycopg is not None:
             return super().execute(query, params, prepare=True if prepare is None else prepare, binary=binary)
 
 
-def _cursor():
+def _cursor(db: BaseDatabaseWrapper):
     # While queries are logged (DEBUG, a test counting them) the ordinary cursor: its log shows each
     # statement with its values, which a prepared one's does not.
-    if connection.vendor != "postgresql" or psycopg is None or connection.queries_logged:
-        return connection.cursor()
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    with connection.wrap_database_errors:
-        if connection.connection.prepare_threshold is None:  # Django's default: psycopg prepares nothing
-            connection.connection.prepare_threshold = ONLY_WHEN_ASKED
-        raw = _PreparedCursor(connection.connection)
-    return connection.make_cursor(raw)
+    if db.vendor != "postgresql" or psycopg is None or db.queries_logged:
+        return db.cursor()
+    db.close_if_health_check_failed()
+    db.ensure_connection()
+    with db.wrap_database_errors:
+        if db.connection.prepare_threshold is None:  # Django's default: psycopg prepares nothing
+            db.connection.prepare_threshold = ONLY_WHEN_ASKED
+        raw = _PreparedCursor(db.connection)
+    return db.make_cursor(raw)
