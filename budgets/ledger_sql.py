@@ -16,12 +16,13 @@ ordinary cursor.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
+from operator import attrgetter
 
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Field
+from django.db.models import BooleanField, CharField, Field, JSONField, TextField
 
 try:
     import psycopg
@@ -38,22 +39,46 @@ def _db() -> BaseDatabaseWrapper:
 
 
 @lru_cache(maxsize=4)
-def _insert_sql(vendor: str) -> tuple[str, tuple[Field, ...]]:
+def _insert_sql(vendor: str) -> tuple[str, tuple[tuple[Field, Callable, Callable], ...]]:
+    """The INSERT, and per column its field, how to read the value (pre_save) and how to prepare it."""
     meta = TokenLog._meta
     fields = tuple(f for f in meta.concrete_fields if not f.primary_key)
     quote = _db().ops.quote_name
     columns = ", ".join(quote(f.column) for f in fields)
     values = ", ".join(["%s"] * len(fields))
+    plan = tuple((f, _reader(f), _preparer(f, vendor)) for f in fields)
     return (f"INSERT INTO {quote(meta.db_table)} ({columns}) VALUES ({values}) RETURNING {quote(meta.pk.column)}",
-            fields)
+            plan)
+
+
+def _reader(field: Field) -> Callable:
+    if type(field).pre_save is Field.pre_save:  # no auto_now, no upload: the attribute as it is
+        return attrgetter(field.attname)
+    return lambda row: field.pre_save(row, True)
+
+
+def _preparer(field: Field, vendor: str) -> Callable:
+    """field.get_db_prep_save, with the answer it would give written out for the values a new row
+    holds most (text, integers, None): ~40 columns a row, each through several layers otherwise."""
+    prepare = field.get_db_prep_save
+    if isinstance(field, JSONField):
+        return prepare  # None, a list, a str: each means something else as JSON
+    if isinstance(field, (CharField, TextField)):
+        return lambda value, db: value if value is None or type(value) is str else prepare(value, db)
+    if isinstance(field, BooleanField):
+        return lambda value, db: value if value is None or type(value) is bool else prepare(value, db)
+    int_type = getattr(_db().ops, "integerfield_type_map", {}).get(field.get_internal_type()) if vendor == "postgresql" else None
+    if int_type is not None:  # psycopg's Int4/Int8, as the backend's adapt_integerfield_value wraps them
+        return lambda value, db: None if value is None else int_type(value) if type(value) is int else prepare(value, db)
+    return lambda value, db: None if value is None else prepare(value, db)
 
 
 def insert(row: TokenLog) -> None:
     """INSERT the new row and set its primary key, as row.save(force_insert=True) does (no signals:
     nothing listens to TokenLog's)."""
     db = _db()
-    sql, fields = _insert_sql(db.vendor)
-    params = [f.get_db_prep_save(f.pre_save(row, True), db) for f in fields]
+    sql, plan = _insert_sql(db.vendor)
+    params = [prepare(read(row), db) for _, read, prepare in plan]
     with _cursor(db) as cursor:
         cursor.execute(sql, params)
         row.pk = cursor.fetchone()[0]
