@@ -367,7 +367,15 @@ def admit(request: AdmissionRequest, now: datetime | None = None) -> Decision:
     # Lua call checks them (refcache.versions_to_check) and decides only if none moved since.
     versions = refcache.cache.versions_to_check()
     scopes, primary, fallback = _candidates(request, now)
-    row, created = _open_row(request, primary.provider, primary.price, primary.ceilings, now, scopes.team)
+    try:
+        row, created = _open_row(request, primary.provider, primary.price, primary.ceilings, now, scopes.team)
+    except IntegrityError:
+        # The row names a provider, a price or a team this process cached and another deleted since
+        # (the Lua call would have said so, but the row comes first): read them again, once.
+        refcache.refresh()
+        versions = refcache.cache.versions_to_check()
+        scopes, primary, fallback = _candidates(request, now)
+        row, created = _open_row(request, primary.provider, primary.price, primary.ceilings, now, scopes.team)
     if not created:
         return Decision(False, request.request_id, code="duplicate_request", message="This request was already submitted.")
     try:

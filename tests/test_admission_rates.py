@@ -194,6 +194,25 @@ def test_a_cap_added_by_another_process_is_recorded_on_the_row_it_admitted(alice
     assert decision.admitted and any(f"user:{alice.pk}:all:day" in key for key in keys)
 
 
+def test_a_provider_deleted_by_another_process_is_read_again_before_the_row_is_written(alice, chat_feature, redis_db):
+    """The row is written before the Lua call checks the versions: a cached provider that is gone
+    fails its INSERT, and the admission reads the reference rows again instead of failing."""
+    first = admit(request(alice, chat_feature))
+    assert first.admitted
+    gone = first.log.provider_id
+    written_by_another_process(
+        f"DELETE FROM budgets_tokenlog; DELETE FROM budgets_provider WHERE id = {gone}", "provider", redis_db
+    )
+    Provider.objects.create(name="local", kind=Provider.Kind.LOCAL)  # what Provider.default() makes again
+    refcache.cache.clear()  # … except that this process must not hear of it: fill its cache as before
+    refcache.cache.get("default_provider", ("provider",), None, lambda: Provider(pk=gone, name="local"))
+
+    decision = admit(request(alice, chat_feature))
+
+    assert decision.admitted
+    assert TokenLog.objects.get(request_id=decision.request_id).provider.name == "local"
+
+
 def test_without_redis_the_cache_reads_the_database_every_time(alice):
     broken = refcache.RefCache(lambda: __import__("redis").Redis(port=1, socket_connect_timeout=0.1))
     loads = []
