@@ -11,6 +11,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, models, transaction
 from django.utils import timezone
 
+from . import ledger_sql, refcache
 from .live import publish_on_commit
 from .models import (
     Alert,
@@ -110,32 +111,50 @@ def do_record_usage(
     finish_reason: str = "",
     error: str = "",
     ttft_ms: int | None = None,
-) -> bool:
+    admitted: TokenLog | None = None,
+) -> TokenLog | None:
     """Settle a running request once, costed at the price in force when it was admitted.
 
-    Returns False when it was already settled (a replay changes nothing).
+    Returns the settled row as it now is, or None when it was already settled (a replay changes
+    nothing). One UPDATE … RETURNING writes the usage and reads the row back, which the dashboard
+    event and the caller's settle use as they are. `admitted`: the row as the caller holds it since
+    its admission (the worker reads it when it starts), whose price and start are all this needs
+    from it; without it they are read first.
     """
     now = timezone.now()
-    log = unique_row(TokenLog.objects.filter(request_id=request_id).select_related("price"))
-    if log is None:
-        return False
-    cost = log.price.cost_micro_usd(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if log.price else 0
-    total_ms = max(0, int((now - log.created_at).total_seconds() * 1000))
-    updated = TokenLog.objects.filter(request_id=request_id, status=TokenLog.Status.RUNNING).update(
-        status=status,
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        cached_tokens=usage.cached_tokens,
-        cost_micro_usd=cost,
-        finish_reason=finish_reason,
-        error=error[:500],
-        ttft_ms=ttft_ms,
-        total_ms=total_ms,
-        finished_at=now,
+    if admitted is not None and admitted.request_id == request_id:
+        price_id, created_at = admitted.price_id, admitted.created_at
+    else:
+        found = ledger_sql.select(("status", "price_id", "created_at"), "request_id", request_id)
+        if found is None or found[0] != TokenLog.Status.RUNNING:
+            return None
+        _, price_id, created_at = found
+    price = price_by_id(price_id) if price_id is not None else None
+    cost = price.cost_micro_usd(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if price else 0
+    total_ms = max(0, int((now - created_at).total_seconds() * 1000))
+    row = ledger_sql.update_returning(
+        {
+            "status": status,
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "cached_tokens": usage.cached_tokens,
+            "cost_micro_usd": cost,
+            "finish_reason": finish_reason,
+            "error": error[:500],
+            "ttft_ms": ttft_ms,
+            "total_ms": total_ms,
+            "finished_at": now,
+        },
+        {"request_id": request_id, "status": TokenLog.Status.RUNNING},
     )
-    if updated == 1:
-        publish_on_commit(request_id)
-    return updated == 1
+    if row is not None:
+        publish_on_commit(request_id, row)
+    return row
+
+
+def price_by_id(price_id: int) -> ModelPrice:
+    """A price row from this process's reference cache (a price is written a few times a year)."""
+    return refcache.cache.get("price_by_id", ("modelprice",), price_id, lambda: ModelPrice.objects.get(pk=price_id))
 
 
 # --- the alert outbox ----------------------------------------------------------------------------

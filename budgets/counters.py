@@ -38,8 +38,9 @@ ADMIT_LUA = """
 local function incr(key, field, amount)
   if amount ~= 0 then redis.call('HINCRBY', key, field, string.format('%d', amount)) end
 end
-local n = (#KEYS - 1) / 2
-local marker = KEYS[#KEYS]
+local v = tonumber(ARGV[12])  -- version keys of the reference rows, after the marker
+local n = (#KEYS - 1 - v) / 2
+local marker = KEYS[2 * n + 1]
 local marker_ttl = tonumber(ARGV[1])
 local prompt = tonumber(ARGV[2])
 local request_id = ARGV[3]
@@ -48,8 +49,19 @@ local request_id = ARGV[3]
 local n1 = tonumber(ARGV[4])
 local groups = {{1, n1, tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])}}
 if ARGV[8] == '1' then groups[2] = {n1 + 1, n, tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])} end
-local COUNTERS_FROM = 11
+local COUNTERS_FROM = 12
 if redis.call('EXISTS', marker) == 1 then return {'duplicate'} end
+-- The versions of the reference rows (quotas, prices…) the caller computed the ceilings from: when
+-- one moved since, nothing is decided here, and the caller reads the rows again with what is current.
+if v > 0 then
+  local stale, current = false, {'stale'}
+  for j = 1, v do
+    local version = redis.call('GET', KEYS[2 * n + 1 + j]) or ''
+    current[#current + 1] = version
+    if version ~= ARGV[COUNTERS_FROM + 4 * n + j] then stale = true end
+  end
+  if stale then return current end
+end
 local missing = {}
 for i = 1, n do
   if redis.call('HEXISTS', KEYS[i], 'ok') == 0 then missing[#missing + 1] = i end
@@ -187,6 +199,9 @@ if #ARGV >= 8 then redis.call('EXPIRE', KEYS[2], tonumber(ARGV[7])) end
 return 1
 """
 
+# (Redis key, the value the caller read there, "" for none): what admit() checks before deciding.
+Versions = tuple[tuple[str, str], ...]
+
 NO_LIMIT = -1
 MARKER_TTL_S = 2 * 24 * 3600
 LOGICAL_PREFIX = "ceiling"  # how the guard names counters (and the ledger's counter_keys record them)
@@ -261,7 +276,7 @@ class CounterState:
 
 @dataclass(frozen=True)
 class AdmitResult:
-    status: str  # ok | refused | rebuild | duplicate
+    status: str  # ok | refused | rebuild | duplicate | stale
     granted_tokens: int = 0
     reserved_tokens: int = 0
     reserved_cost_micro_usd: int = 0
@@ -278,6 +293,7 @@ class AdmitResult:
     primary_refusal: AdmitResult | None = None  # … because the first group refused this way
     # Refused after the fallback was tried too: why the fallback did not fit (refused_* are the first group's).
     fallback_refusal: AdmitResult | None = None
+    versions: tuple[str, ...] = ()  # stale: the values the version keys hold now ("" for none)
 
 
 class CounterStore:
@@ -367,19 +383,29 @@ class CounterStore:
         price_in_per_million: int = 0,
         price_out_per_million: int = 0,
         fallback: CounterGroup | None = None,
+        versions: Versions | None = None,
     ) -> AdmitResult:
-        """Reserve on every counter, or refuse; indexes in the result count `counters`, then the fallback's."""
+        """Reserve on every counter, or refuse; indexes in the result count `counters`, then the fallback's.
+
+        versions: (key, value) pairs the limits were computed under (the reference cache's versions);
+        when any key holds another value now, nothing is reserved and the result is "stale", with
+        the values now held, in the same round trip that would otherwise have admitted.
+        """
         primary = CounterGroup(counters, max_tokens, price_in_per_million, price_out_per_million)
         groups = [primary] if fallback is None else [primary, fallback]
         specs = [spec for group in groups for spec in group.counters]
+        versions = versions or ()
         args: list = [MARKER_TTL_S, prompt_tokens, request_id, len(counters), *_group_args(primary)]
         args += ["1", *_group_args(fallback)] if fallback is not None else ["0", 0, 0, 0]
+        args.append(len(versions))
         for spec in specs:
             limits = spec.limits
             args += [_limit(limits.requests), _limit(limits.tokens), _limit(limits.cost_micro_usd), spec.ttl_s]
+        args += [value for _, value in versions]
         keys = [self.redis_key(spec.key) for spec in specs]
         keys += [in_flight_key(key) for key in keys]
         keys.append(self.admitted_marker(request_id))
+        keys += [key for key, _ in versions]
         reply, acks = self._run(self._admit, keys, args, replicated=True)
         result = _admit_result([_text(item) for item in reply])
         if result.status == "ok" and acks is not None and acks.short:
@@ -457,6 +483,8 @@ def _admit_result(reply: list) -> AdmitResult:
         return replace(_refusal(reply[1:6]), fallback_refusal=fallback_refusal)
     if status == "rebuild":
         return AdmitResult("rebuild", rebuild_indexes=tuple(i - 1 for i in reply[1:]))
+    if status == "stale":
+        return AdmitResult("stale", versions=tuple(reply[1:]))
     return AdmitResult("duplicate")
 
 

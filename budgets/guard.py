@@ -25,8 +25,8 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
-from . import ledger_writer, redis_clients, refcache
-from .counters import AdmitResult, CounterGroup, CounterSpec, CounterStore, Limits, Usage
+from . import ledger_sql, ledger_writer, redis_clients, refcache
+from .counters import AdmitResult, CounterGroup, CounterSpec, CounterStore, Limits, Usage, Versions
 from .live import publish_on_commit
 from .models import (
     Feature,
@@ -363,19 +363,35 @@ def admit(request: AdmissionRequest, now: datetime | None = None) -> Decision:
     request on the fallback's ceilings instead, when they have room, in the same Lua call.
     """
     now = now or timezone.now()
-    refcache.refresh()  # one MGET: every reference row below is this process's copy unless it changed
-    scopes = request_scopes(request.user, request.api_key, request.tags)
-    primary = candidate(request, request.feature, request.provider, request.model, request.max_tokens, now, scopes)
-    # Its ceilings are read even when the primary will fit: one Lua call decides both, atomically.
-    offered = request.fallback
-    fallback = (
-        candidate(request, offered.feature, None, offered.model, offered.max_tokens, now, scopes) if offered else None
-    )
-    row, created = _open_row(request, primary.provider, primary.price, primary.ceilings, now, scopes.team)
+    # Every reference row below is this process's copy, read under the versions it last saw; the
+    # Lua call checks them (refcache.versions_to_check) and decides only if none moved since.
+    versions = refcache.cache.versions_to_check()
+    scopes, primary, fallback = _candidates(request, now)
+    try:
+        row, created = _open_row(request, primary.provider, primary.price, primary.ceilings, now, scopes.team)
+    except IntegrityError:
+        # The row names a provider, a price or a team this process cached and another deleted since
+        # (the Lua call would have said so, but the row comes first): read them again, once.
+        refcache.refresh()
+        versions = refcache.cache.versions_to_check()
+        scopes, primary, fallback = _candidates(request, now)
+        row, created = _open_row(request, primary.provider, primary.price, primary.ceilings, now, scopes.team)
     if not created:
         return Decision(False, request.request_id, code="duplicate_request", message="This request was already submitted.")
     try:
-        result = _admit_with_rebuild(request, primary, fallback)
+        for _ in range(STALE_ATTEMPTS):
+            result = _admit_with_rebuild(request, primary, fallback, versions)
+            if result.status != "stale":
+                break
+            # A quota, a price… changed since this process read it: read again, and say so on the row.
+            refcache.cache.install(result.versions)
+            versions = refcache.cache.versions_to_check()
+            scopes, primary, fallback = _candidates(request, now)
+            _reopen_row(row, primary, scopes.team)
+        else:
+            raise GuardUnavailable("the reference rows kept changing during the admission")
+        if versions is not None:
+            refcache.cache.confirm()
     except (redis.RedisError, GuardUnavailable) as exc:
         log.warning("guard unavailable: %s", exc)
         message = "The budget guard cannot be reached right now, so no request can be admitted. Please try again in a minute."
@@ -399,6 +415,37 @@ def admit(request: AdmissionRequest, now: datetime | None = None) -> Decision:
         decision.fell_back_to, decision.fallback_model = served.feature, served.model
         decision.fallback_notice = fell_back_text(ceilings[why.refused_index], why, served, now)
     return decision
+
+
+STALE_ATTEMPTS = 3
+
+
+def _candidates(request: AdmissionRequest, now: datetime) -> tuple[Scopes, Candidate, Candidate | None]:
+    """Who the request counts against, and the ceilings of its feature and of its fallback."""
+    scopes = request_scopes(request.user, request.api_key, request.tags)
+    primary = candidate(request, request.feature, request.provider, request.model, request.max_tokens, now, scopes)
+    # Its ceilings are read even when the primary will fit: one Lua call decides both, atomically.
+    offered = request.fallback
+    fallback = (
+        candidate(request, offered.feature, None, offered.model, offered.max_tokens, now, scopes) if offered else None
+    )
+    return scopes, primary, fallback
+
+
+def _reopen_row(row: TokenLog, primary: Candidate, team: Team | None) -> None:
+    """The running row, after the reference rows changed under its admission: what it records of
+    them (its provider, price, team and counters) as they are now, before the Lua call decides."""
+    fields = {
+        "provider": primary.provider,
+        "price": primary.price,
+        "team": team,
+        "counter_keys": [c.spec.key for c in primary.ceilings],
+    }
+    if all(getattr(row, name) == value for name, value in fields.items()):
+        return
+    for name, value in fields.items():
+        setattr(row, name, value)
+    TokenLog.objects.filter(pk=row.pk).update(**fields)
 
 
 def _mark_admitted(row: TokenLog, result: AdmitResult, served: Candidate, requested: Feature | None) -> None:
@@ -425,6 +472,8 @@ def _mark_admitted(row: TokenLog, result: AdmitResult, served: Candidate, reques
     with ledger_writer.writer.counted():
         if shared:
             ledger_writer.writer.mark_admitted(row)  # shares its commit with the other admissions'
+        elif requested is None:
+            ledger_sql.update(fields, {"id": row.pk})
         else:
             TokenLog.objects.filter(pk=row.pk).update(**fields)
 
@@ -472,7 +521,7 @@ def _open_row(request, provider, price, ceilings, now, team=None) -> tuple[Token
                 ledger_writer.writer.insert(row)  # returns once committed, with the other admissions' rows
             else:
                 with in_transaction:
-                    row.save(force_insert=True)
+                    ledger_sql.insert(row)
     except IntegrityError:
         if not TokenLog.objects.filter(request_id=request.request_id).exists():
             raise  # another constraint failed: not a duplicate
@@ -480,7 +529,8 @@ def _open_row(request, provider, price, ceilings, now, team=None) -> tuple[Token
     return row, True
 
 
-def _admit_with_rebuild(request: AdmissionRequest, primary: Candidate, fallback: Candidate | None) -> AdmitResult:
+def _admit_with_rebuild(request: AdmissionRequest, primary: Candidate, fallback: Candidate | None,
+                        versions: Versions | None = None) -> AdmitResult:
     store = counter_store()
     ceilings = primary.ceilings + (fallback.ceilings if fallback else [])
     group = primary.counter_group()
@@ -493,6 +543,7 @@ def _admit_with_rebuild(request: AdmissionRequest, primary: Candidate, fallback:
             price_in_per_million=group.price_in_per_million,
             price_out_per_million=group.price_out_per_million,
             fallback=fallback.counter_group() if fallback else None,
+            versions=versions,
         )
         if result.status != "rebuild":
             return result
@@ -606,7 +657,7 @@ def _settle_counters(row: TokenLog, *, count_as_used: bool) -> bool:
     if ledger_writer.group_commit_applies():
         ledger_writer.writer.mark_settled_later(row.pk)  # if lost, reconciliation settles again: a no-op
     else:
-        TokenLog.objects.filter(pk=row.pk, counters_settled=False).update(counters_settled=True)
+        ledger_sql.update({"counters_settled": True}, {"id": row.pk, "counters_settled": False})
     row.counters_settled = True
     return first_time
 

@@ -12,8 +12,22 @@ def local_zone() -> ZoneInfo:
     return ZoneInfo(settings.TIME_ZONE)
 
 
+# The last bounds computed per (period, zone): every admission asks for the same day and month
+# several times (each ceiling's key and window), so most calls are one comparison.
+_last_bounds: dict[tuple[str, str], tuple[datetime, datetime]] = {}
+
+
 def period_bounds(period: str, at: datetime) -> tuple[datetime, datetime]:
     """[start, end) of the day or month containing `at`, as aware datetimes in the local zone."""
+    remembered = _last_bounds.get((period, settings.TIME_ZONE))
+    if remembered is not None and at.tzinfo is not None and remembered[0] <= at < remembered[1]:
+        return remembered
+    bounds = _period_bounds(period, at)
+    _last_bounds[(period, settings.TIME_ZONE)] = bounds
+    return bounds
+
+
+def _period_bounds(period: str, at: datetime) -> tuple[datetime, datetime]:
     local = at.astimezone(local_zone())
     if period == "day":
         start = local.replace(hour=0, minute=0, second=0, microsecond=0)

@@ -7,9 +7,13 @@ day. Each process keeps what it read, tagged with a version per table kept in Re
 * every write sets its table's version to a new random token: post_save / post_delete (save(), the admin, fixtures,
   cascades), ReferenceQuerySet's update / bulk_create / bulk_update / delete (the bulk paths,
   which send no signals) and post_migrate (migrations, raw data changes shipped with them);
-* `refresh()` reads every version in one MGET, at most once per admission, and drops what a
-  newer version made stale; an entry remembers the version it was read under, so a read that
-  raced a write is never kept under the newer version.
+* an admission hands the versions it computed its ceilings under to its own Lua call
+  (`versions_to_check()`), which decides nothing when one moved and answers with the current
+  ones: the admission reads the rows again and retries, so the check and the decision are one
+  atomic step and cost no round trip of their own; `refresh()` reads every version in one MGET
+  for lookups outside admissions; either way a newer version makes older entries stale, and an
+  entry remembers the version it was read under, so a read that raced a write is never kept
+  under the newer version.
 
 A bump is sent at once and again after the writer's transaction commits: a process that reloads
 between the two would otherwise cache the rows as they were before the commit under the new
@@ -62,6 +66,7 @@ class RefCache:
         self._entries: dict[str, OrderedDict] = {}
         self._depends_on: dict[str, tuple[str, ...]] = {}
         self._bypass = threading.local()  # set while Redis cannot tell us the versions
+        self._version_keys: dict[str, tuple[str, ...]] = {}  # by prefix
         self.hits = 0
         self.misses = 0
 
@@ -81,6 +86,34 @@ class RefCache:
         with self._lock:
             self._versions = dict(zip(TABLES, versions, strict=True))
             self._refreshed_at = time.monotonic()
+
+    def versions_to_check(self) -> tuple[tuple[str, str], ...] | None:
+        """(version key, the value this process last read there, "" for none) of every table, for an
+        admission to check in its own Lua call (CounterStore.admit's versions): the check and the
+        decision are one atomic step, and the MGET of refresh() is not needed before it. None while
+        the cache is bypassed (every lookup reads the database then)."""
+        if getattr(self._bypass, "on", False):
+            return None
+        try:
+            prefix = self.prefix()  # the counter store's: making its client may find no cluster node
+        except redis.RedisError:
+            return None  # the admission's own call fails the same way, and refuses
+        keys = self._version_keys.get(prefix)
+        if keys is None:
+            keys = self._version_keys[prefix] = tuple(version_key(t, prefix) for t in TABLES)
+        with self._lock:
+            values = [self._versions.get(t) for t in TABLES]
+        return tuple((key, value.decode() if value else "") for key, value in zip(keys, values, strict=True))
+
+    def install(self, values: tuple[str, ...]) -> None:
+        """The versions an admission found in Redis, in TABLES order: as refresh() would have read them."""
+        with self._lock:
+            self._versions = {t: value.encode() if value else None for t, value in zip(TABLES, values, strict=True)}
+            self._refreshed_at = time.monotonic()
+
+    def confirm(self) -> None:
+        """An admission found every version as this process holds it: as good as a refresh."""
+        self._refreshed_at = time.monotonic()
 
     def get(self, namespace: str, depends_on: tuple[str, ...], key: Hashable, load: Callable[[], Any]) -> Any:
         if time.monotonic() - self._refreshed_at > REFRESH_LAG_S:

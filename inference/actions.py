@@ -76,8 +76,11 @@ def do_finish_request(
     ttft_ms: int | None,
     error: str = "",
     completion_tokens: int | None = None,
+    admitted: TokenLog | None = None,
 ) -> TokenLog | None:
     """Settle the ledger row and store the answer; None when it was already settled.
+
+    admitted: the row as the worker read it when it started (do_record_usage need not read it again).
 
     completion_tokens defaults to len(completion_ids); a remote engine has no local token ids and
     passes the count it reported instead. The guard's counters are settled by the caller after this
@@ -87,12 +90,13 @@ def do_finish_request(
         completion_tokens = len(completion_ids)
     usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
     settled = do_record_usage(
-        request_id, status=status, usage=usage, finish_reason=finish_reason, error=error, ttft_ms=ttft_ms
+        request_id, status=status, usage=usage, finish_reason=finish_reason, error=error, ttft_ms=ttft_ms,
+        admitted=admitted,
     )
-    if not settled:
+    if settled is None:
         return None
     Transcript.objects.filter(log__request_id=request_id).update(completion_ids=completion_ids, response_text=text)
-    return TokenLog.objects.get(request_id=request_id)
+    return settled  # as the usage's UPDATE … RETURNING left it: the transcript is another table
 
 
 # The ledger's error and the user's message for a request whose worker died mid-way.

@@ -2,8 +2,8 @@
 
 Web servers and workers are separate processes, several of each at scale, so a per-process
 prometheus_client registry would show each scrape one process's share. Instead every settled or
-refused request adds to counters in Redis (budgets.live.publish → record_settled: one MULTI
-pipeline of HINCRBY/HINCRBYFLOAT), and GET /metrics renders those counters plus every worker's
+refused request adds to counters in Redis (budgets.live.publish → record_settled: one script of
+HINCRBY/HINCRBYFLOAT), and GET /metrics renders those counters plus every worker's
 live engine stats (inference.bus.read_engine_stats) through a custom Collector.
 
 Layout in Redis: one hash per metric, KEY_PREFIX + name. A field is the JSON of [part, labels]:
@@ -173,6 +173,24 @@ def _observe(spec: Spec, labels: dict[str, str], seconds: float) -> list[Increme
     ]
 
 
+ADD_LUA = """
+for i = 1, #KEYS do
+  local field, amount, kind = ARGV[3 * i - 2], ARGV[3 * i - 1], ARGV[3 * i]
+  if kind == 'f' then
+    redis.call('HINCRBYFLOAT', KEYS[i], field, amount)
+  else
+    redis.call('HINCRBY', KEYS[i], field, amount)
+  end
+end
+return #KEYS
+"""
+
+
+@lru_cache(maxsize=4)
+def _add_script(client: redis.Redis):
+    return client.register_script(ADD_LUA)
+
+
 def record_settled(row: TokenLog) -> None:
     """Add one settled or refused request to the shared counters. Never raises: the ledger and the
     user's answer must not depend on metrics, so a failure is logged and the request goes uncounted."""
@@ -180,14 +198,12 @@ def record_settled(row: TokenLog) -> None:
         increments = increments_for(row)
         if not increments:
             return
-        pipe = metrics_redis().pipeline(transaction=True)  # a scrape sees the whole request or none of it
+        # One script, so a scrape sees the whole request or none of it: one command to pack and one
+        # reply to parse, where a MULTI pipeline was ~10 of each on every settle's path.
+        args: list = []
         for inc in increments:
-            field = _field(inc.part, inc.labels)
-            if isinstance(inc.amount, float):
-                pipe.hincrbyfloat(inc.spec.key, field, inc.amount)
-            else:
-                pipe.hincrby(inc.spec.key, field, inc.amount)
-        pipe.execute()
+            args += [_field(inc.part, inc.labels), inc.amount, "f" if isinstance(inc.amount, float) else "i"]
+        _add_script(metrics_redis())(keys=[inc.spec.key for inc in increments], args=args)
     except redis.RedisError as exc:
         log.warning("metrics: could not record request %s: %s", getattr(row, "request_id", "?"), exc)
     except Exception:  # noqa: BLE001 - see the docstring

@@ -145,6 +145,74 @@ def test_a_redis_emptied_under_the_cache_does_not_bring_back_an_old_version(alic
     assert len(loads) == 2
 
 
+def written_by_another_process(sql: str, table: str, redis_db) -> None:
+    """A write this process never hears of but through Redis: SQL that sends no signal, and the
+    version bump another process's refcache.changed() would send."""
+    with connection.cursor() as cursor:
+        cursor.execute(sql)
+    redis_db.set(refcache.version_key(table), "bumped-elsewhere")
+
+
+def test_a_cap_raised_by_another_process_admits_the_next_request_without_a_refresh(alice, chat_feature, redis_db):
+    """The admission checks the versions in its own Lua call (no MGET before it): a moved version
+    makes it read the caps again and decide under them, in the same admit()."""
+    quota = Quota.objects.create(user=alice, period="day", max_requests=1)
+    assert admit(request(alice, chat_feature)).admitted
+    assert admit(request(alice, chat_feature)).code == "user_requests_per_day"  # warm: from the cache
+
+    written_by_another_process(f"UPDATE budgets_quota SET max_requests = 2 WHERE id = {quota.pk}", "quota", redis_db)
+
+    decision = admit(request(alice, chat_feature))
+    assert decision.admitted
+    assert admit(request(alice, chat_feature)).code == "user_requests_per_day"
+
+
+def test_a_price_raised_by_another_process_prices_the_next_admission_and_its_row(alice, chat_feature, priced, redis_db):
+    assert reserved_cost(admit(request(alice, chat_feature, max_tokens=100))) == 100
+    written_by_another_process(
+        f"UPDATE budgets_modelprice SET output_per_million_micro_usd = {3 * PRICE_OUT} WHERE id = {priced.pk}",
+        "modelprice", redis_db,
+    )
+
+    decision = admit(request(alice, chat_feature, max_tokens=100))
+
+    assert reserved_cost(decision) == 300
+    assert TokenLog.objects.get(request_id=decision.request_id).price_id == priced.pk
+
+
+def test_a_cap_added_by_another_process_is_recorded_on_the_row_it_admitted(alice, chat_feature, redis_db):
+    """The row was opened under the old caps (no user cap: no user counter); the admission read
+    them again, and the row names the counters it was really admitted on."""
+    assert admit(request(alice, chat_feature)).admitted
+    written_by_another_process(
+        f"INSERT INTO budgets_quota (user_id, period, max_requests) VALUES ({alice.pk}, 'day', 5)", "quota", redis_db
+    )
+
+    decision = admit(request(alice, chat_feature))
+
+    keys = TokenLog.objects.get(request_id=decision.request_id).counter_keys
+    assert decision.admitted and any(f"user:{alice.pk}:all:day" in key for key in keys)
+
+
+def test_a_provider_deleted_by_another_process_is_read_again_before_the_row_is_written(alice, chat_feature, redis_db):
+    """The row is written before the Lua call checks the versions: a cached provider that is gone
+    fails its INSERT, and the admission reads the reference rows again instead of failing."""
+    first = admit(request(alice, chat_feature))
+    assert first.admitted
+    gone = first.log.provider_id
+    written_by_another_process(
+        f"DELETE FROM budgets_tokenlog; DELETE FROM budgets_provider WHERE id = {gone}", "provider", redis_db
+    )
+    Provider.objects.create(name="local", kind=Provider.Kind.LOCAL)  # what Provider.default() makes again
+    refcache.cache.clear()  # … except that this process must not hear of it: fill its cache as before
+    refcache.cache.get("default_provider", ("provider",), None, lambda: Provider(pk=gone, name="local"))
+
+    decision = admit(request(alice, chat_feature))
+
+    assert decision.admitted
+    assert TokenLog.objects.get(request_id=decision.request_id).provider.name == "local"
+
+
 def test_without_redis_the_cache_reads_the_database_every_time(alice):
     broken = refcache.RefCache(lambda: __import__("redis").Redis(port=1, socket_connect_timeout=0.1))
     loads = []

@@ -12,6 +12,7 @@ from django.core.management.base import CommandError
 from django.db import connection
 
 from accounts.models import ApiKey
+from budgets import guard
 from budgets.models import Feature, ModelPrice, Provider, Quota, TagQuota, Team, TeamQuota, TokenLog
 
 LEVEL_FIELDS = {
@@ -64,25 +65,21 @@ def test_it_leaves_no_rows_users_or_keys_behind(db, redis_db):
     assert ledger_counts() == counts
 
 
-def test_all_five_scopes_are_admitted_counted_and_cleaned_up(db, redis_db, tmp_path):
+def test_all_five_scopes_are_admitted_counted_and_cleaned_up(db, redis_db, tmp_path, monkeypatch):
     """--scopes all: a team member's requests with a capped API key and a capped tag, every one
     admitted through the team's, the key's and the tag's counters too, and nothing left behind."""
     keys, counts = bench_keys(redis_db), ledger_counts()
     seen_scopes = []
-    original = TokenLog.objects.get
+    original = guard.settle
 
-    def spy(*args, **kwargs):  # the settle path reads each row back: look at what it recorded
-        row = original(*args, **kwargs)
+    def spy(row):  # the settle path is handed each row as recorded: look at what it recorded
         seen_scopes.append((row.team_id is not None, row.api_key_id is not None, row.tags))
-        return row
+        return original(row)
 
     target = tmp_path / "scopes.json"
-    TokenLog.objects.get = spy
-    try:
-        call_command("bench_guard", "--level", "guard", "--scopes", "all", "--n", "20", "--warmup", "2",
-                     "--json", str(target), stdout=StringIO())
-    finally:
-        del TokenLog.objects.get
+    monkeypatch.setattr(guard, "settle", spy)
+    call_command("bench_guard", "--level", "guard", "--scopes", "all", "--n", "20", "--warmup", "2",
+                 "--json", str(target), stdout=StringIO())
     report = json.loads(target.read_text())
     assert report["scopes"] == "all" and report["levels"]["guard"]["n"] == 20
     assert len(seen_scopes) == 22

@@ -173,6 +173,7 @@ def _finish(log_row: TokenLog, reply_to: str, outcome: Outcome, ttft_ms: int | N
         finish_reason="" if status == TokenLog.Status.FAILED else outcome.finish_reason,
         ttft_ms=ttft_ms,
         error=error,
+        admitted=log_row,
     )
     release_claim(log_row.request_id)
     if settled is None:

@@ -238,8 +238,9 @@ def guard_level(run_id: str, all_scopes: bool = False) -> Iterator[Step]:
         _require_ok("ok" if decision.admitted else decision.code, request_id)
         # What a worker does when the answer ends, minus the model: record the usage, then settle.
         usage = LedgerUsage(prompt_tokens=PROMPT_TOKENS, completion_tokens=min(COMPLETION_TOKENS, decision.max_tokens))
-        do_record_usage(request_id, status=TokenLog.Status.OK, usage=usage, finish_reason="stop")
-        guard.settle(TokenLog.objects.get(request_id=request_id))
+        row = do_record_usage(request_id, status=TokenLog.Status.OK, usage=usage, finish_reason="stop",
+                              admitted=decision.log)  # a worker has the row: it reads it when it starts
+        guard.settle(row)  # the row as the usage's UPDATE … RETURNING left it, as a worker has it
 
     try:
         yield step

@@ -1,0 +1,202 @@
+"""The ledger's statements on the guard's hot path, with their SQL built once per process.
+
+Every admission inserts a TokenLog row and marks it admitted; every finished request writes its
+usage and reads the row back for the dashboard event and the settle. Through the ORM each of those
+statements is compiled again on every call, and that compilation, not the database, was most of an
+admit+settle cycle's CPU (docs/benchmarks.md). Here the SQL text is made once from the model's
+fields; each value still goes through its field's own get_db_prep_save, so a column holds exactly
+what Model.save() would have written, on PostgreSQL and on SQLite (≥ 3.35, for RETURNING) alike.
+
+On PostgreSQL they also run as prepared statements (parameters bound by the server, each statement
+parsed and planned once per connection), which took ~40% off PostgreSQL's CPU for a cycle; the
+rest of Django keeps its client-side binding, which some ORM queries need. They still go through
+Django's cursor wrapper (execute wrappers see them), and while queries are logged through its
+ordinary cursor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import lru_cache
+from operator import attrgetter
+
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import BooleanField, CharField, Field, JSONField, TextField
+
+try:
+    import psycopg
+except ImportError:  # SQLite only
+    psycopg = None
+
+from .models import TokenLog
+
+
+def _db() -> BaseDatabaseWrapper:
+    """This thread's connection itself: every attribute read through django.db.connection, a proxy
+    to a thread-local, costs a lookup, and preparing one row's values reads ~50."""
+    return connections[DEFAULT_DB_ALIAS]
+
+
+@lru_cache(maxsize=4)
+def _insert_sql(vendor: str) -> tuple[str, tuple[tuple[Field, Callable, Callable], ...]]:
+    """The INSERT, and per column its field, how to read the value (pre_save) and how to prepare it."""
+    meta = TokenLog._meta
+    fields = tuple(f for f in meta.concrete_fields if not f.primary_key)
+    quote = _db().ops.quote_name
+    columns = ", ".join(quote(f.column) for f in fields)
+    values = ", ".join(["%s"] * len(fields))
+    plan = tuple((f, _reader(f), _preparer(f, vendor)) for f in fields)
+    return (f"INSERT INTO {quote(meta.db_table)} ({columns}) VALUES ({values}) RETURNING {quote(meta.pk.column)}",
+            plan)
+
+
+def _reader(field: Field) -> Callable:
+    if type(field).pre_save is Field.pre_save:  # no auto_now, no upload: the attribute as it is
+        return attrgetter(field.attname)
+    return lambda row: field.pre_save(row, True)
+
+
+def _preparer(field: Field, vendor: str) -> Callable:
+    """field.get_db_prep_save, with the answer it would give written out for the values a new row
+    holds most (text, integers, None): ~40 columns a row, each through several layers otherwise."""
+    prepare = field.get_db_prep_save
+    if isinstance(field, JSONField):
+        return prepare  # None, a list, a str: each means something else as JSON
+    if isinstance(field, (CharField, TextField)):
+        return lambda value, db: value if value is None or type(value) is str else prepare(value, db)
+    if isinstance(field, BooleanField):
+        return lambda value, db: value if value is None or type(value) is bool else prepare(value, db)
+    int_type = getattr(_db().ops, "integerfield_type_map", {}).get(field.get_internal_type()) if vendor == "postgresql" else None
+    if int_type is not None:  # psycopg's Int4/Int8, as the backend's adapt_integerfield_value wraps them
+        return lambda value, db: None if value is None else int_type(value) if type(value) is int else prepare(value, db)
+    return lambda value, db: None if value is None else prepare(value, db)
+
+
+def insert(row: TokenLog) -> None:
+    """INSERT the new row and set its primary key, as row.save(force_insert=True) does (no signals:
+    nothing listens to TokenLog's)."""
+    db = _db()
+    sql, plan = _insert_sql(db.vendor)
+    params = [prepare(read(row), db) for _, read, prepare in plan]
+    with _cursor(db) as cursor:
+        cursor.execute(sql, params)
+        row.pk = cursor.fetchone()[0]
+    row._state.adding = False
+    row._state.db = db.alias
+
+
+@lru_cache(maxsize=32)
+def _update_sql(vendor: str, names: tuple[str, ...], where: tuple[str, ...], returning: bool) -> str:
+    meta = TokenLog._meta
+    quote = _db().ops.quote_name
+    sets = ", ".join(f"{quote(meta.get_field(name).column)} = %s" for name in names)
+    conditions = " AND ".join(f"{quote(meta.get_field(name).column)} = %s" for name in where)
+    sql = f"UPDATE {quote(meta.db_table)} SET {sets} WHERE {conditions}"
+    if returning:
+        sql += " RETURNING " + ", ".join(quote(f.column) for f in meta.concrete_fields)
+    return sql
+
+
+def _params(values: Mapping[str, object], db: BaseDatabaseWrapper) -> list:
+    field = TokenLog._meta.get_field
+    return [field(name).get_db_prep_save(value, db) for name, value in values.items()]
+
+
+def update(values: Mapping[str, object], where: Mapping[str, object]) -> int:
+    """UPDATE … SET values WHERE every `where` field equals its value; the rows it changed."""
+    db = _db()
+    sql = _update_sql(db.vendor, tuple(values), tuple(where), False)
+    with _cursor(db) as cursor:
+        cursor.execute(sql, _params(values, db) + _params(where, db))
+        return cursor.rowcount
+
+
+def update_returning(values: Mapping[str, object], where: Mapping[str, object]) -> TokenLog | None:
+    """update() of one row by a unique key, and that row as it now is (None when nothing matched):
+    one statement where filter().update() and a get() are two, each compiled by the ORM."""
+    db = _db()
+    sql = _update_sql(db.vendor, tuple(values), tuple(where), True)
+    with _cursor(db) as cursor:
+        cursor.execute(sql, _params(values, db) + _params(where, db))
+        found = cursor.fetchone()
+    return _from_db(found, db) if found is not None else None
+
+
+@lru_cache(maxsize=4)
+def _select_sql(vendor: str, names: tuple[str, ...], key: str) -> str:
+    meta = TokenLog._meta
+    quote = _db().ops.quote_name
+    columns = ", ".join(quote(meta.get_field(name).column) for name in names)
+    return f"SELECT {columns} FROM {quote(meta.db_table)} WHERE {quote(meta.get_field(key).column)} = %s"
+
+
+def select(names: tuple[str, ...], key: str, value: object) -> tuple | None:
+    """Some fields of the row whose unique `key` is `value`, converted as the ORM would."""
+    db = _db()
+    with _cursor(db) as cursor:
+        cursor.execute(_select_sql(db.vendor, names, key), [value])
+        found = cursor.fetchone()
+    if found is None:
+        return None
+    plan = _converters(db.vendor)[2]
+    return tuple(_convert(v, *plan[name], db) if name in plan else v for name, v in zip(names, found, strict=True))
+
+
+@lru_cache(maxsize=4)
+def _converters(vendor: str) -> tuple[tuple[str, ...], tuple, dict[str, tuple]]:
+    """The attribute names of a full row, and for the columns that need them their conversions
+    from the database, as the ORM's compiler applies them: the backend's first (SQLite's dates and
+    booleans), then the field's own (the JSON column). (names, [(index, column, converters)], by name)"""
+    fields = TokenLog._meta.concrete_fields
+    plan = []
+    for i, field in enumerate(fields):
+        column = field.get_col(TokenLog._meta.db_table)
+        db = _db()
+        found = tuple(db.ops.get_db_converters(column)) + tuple(field.get_db_converters(db))
+        if found:
+            plan.append((i, column, found))
+    by_name = {fields[i].name: (column, found) for i, column, found in plan}
+    by_name |= {fields[i].attname: (column, found) for i, column, found in plan}
+    return tuple(f.attname for f in fields), tuple(plan), by_name
+
+
+def _convert(value: object, column, converters: tuple, db: BaseDatabaseWrapper) -> object:
+    for convert in converters:
+        value = convert(value, column, db)
+    return value
+
+
+def _from_db(values: tuple, db: BaseDatabaseWrapper) -> TokenLog:
+    """A model instance from a full row, as the ORM would build it."""
+    names, plan, _ = _converters(db.vendor)
+    values = list(values)
+    for i, column, converters in plan:
+        values[i] = _convert(values[i], column, converters, db)
+    return TokenLog.from_db(db.alias, names, values)
+
+
+# A threshold no statement reaches: the ORM's own statements stay unprepared (its client-side
+# cursor never prepares anyway), only those executed with prepare=True are.
+ONLY_WHEN_ASKED = 2**31 - 1
+
+if psycopg is not None:
+    class _PreparedCursor(psycopg.Cursor):
+        """Server-side binding, prepared on first use (psycopg keeps them per connection)."""
+
+        def execute(self, query, params=None, *, prepare=None, binary=None):
+            return super().execute(query, params, prepare=True if prepare is None else prepare, binary=binary)
+
+
+def _cursor(db: BaseDatabaseWrapper):
+    # While queries are logged (DEBUG, a test counting them) the ordinary cursor: its log shows each
+    # statement with its values, which a prepared one's does not.
+    if db.vendor != "postgresql" or psycopg is None or db.queries_logged:
+        return db.cursor()
+    db.close_if_health_check_failed()
+    db.ensure_connection()
+    with db.wrap_database_errors:
+        if db.connection.prepare_threshold is None:  # Django's default: psycopg prepares nothing
+            db.connection.prepare_threshold = ONLY_WHEN_ASKED
+        raw = _PreparedCursor(db.connection)
+    return db.make_cursor(raw)
