@@ -198,11 +198,11 @@ class DecodeCompiler:
     def _compile_and_choose(self) -> None:
         runner = self.runner
         eager = decode_step_function(runner)
-        # No guards on the model's modules: checking their attributes (each layer's routes, every
-        # weight) cost ~1 ms of a lone step's ~12 (one thread, interleaved runs, docs/engine.md).
-        # The modules are fixed by then: routes are measured at load, before any step compiles.
-        compiled = torch.compile(eager, dynamic=True,
-                                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        # Dynamo's guards on the model's modules cost ~1 ms of a lone step's ~12 (one thread), but
+        # they must stay: the graphs of every runner in a process share one cache (one code
+        # object), and without them a second engine's step (another variant, another layout of
+        # its weights) would run the first engine's graph (docs/engine.md).
+        compiled = torch.compile(eager, dynamic=True)
         # A scratch cache of the live one's layout (one spare block, as runner.py's): the live cache
         # holds other requests' KV.
         shape = ((_scratch_blocks(runner) + 1) * runner.page_size, runner.kv_heads, runner.head_dim)
