@@ -238,7 +238,7 @@ def pack_q4(model: nn.Module, own_kernels: bool = False) -> nn.Module:
 
 @dataclass(frozen=True)
 class Q4Grid:
-    """A weight's 4-bit codes [out, groups, 32] and each group's scale and minimum [out, groups]: w = scale·q + minimum."""
+    """A weight's 4-bit codes [out, groups, 32] (uint8) and each group's scale and minimum [out, groups]: w = scale·q + minimum."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -247,7 +247,7 @@ class Q4Grid:
 
     def fits_float16(self) -> bool:
         """Whether float16 scales and minima rebuild the weights as well as fp32 ones (a GGUF's are float16)."""
-        rebuilt = self.codes * self.scale.half().float()[..., None] + self.minimum.half().float()[..., None]
+        rebuilt = self.codes.float() * self.scale.half().float()[..., None] + self.minimum.half().float()[..., None]
         span = (15 * self.scale).clamp(min=1e-12)[..., None]
         return bool(((rebuilt - self.weight).abs() <= 1e-6 * span).all())
 
@@ -281,7 +281,7 @@ def q4_grid(weight: torch.Tensor, name: str = "a layer") -> Q4Grid:
             f"q4 serves the model's own 4-bit weights, but {off_grid} of {name}'s weights are not on a 4-bit grid "
             f"of {Q4_GROUP}-weight groups (a Q4_1 GGUF's); quantizing them would change the model"
         )
-    return Q4Grid(q, scale, low, groups)
+    return Q4Grid(q.to(torch.uint8), scale, low, groups)  # uint8: every layer's grid is held until all are packed
 
 
 def q4_pack(weight: torch.Tensor, name: str = "a layer", kernel: str = TORCH_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
