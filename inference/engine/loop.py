@@ -43,6 +43,7 @@ from .patches.quantization import (
     TORCH_KERNELS,
     describe_q4,
     describe_wide,
+    kernels_of,
     measure_q4_rows,
     measure_wide_rows,
     quantize_model,
@@ -133,7 +134,12 @@ class Engine:
             str(self.config.model_dir), dtype=dtype, attn_implementation="sdpa"
         )
         model = model.to(self.config.device).eval()
-        self.model = quantize_model(model, self.config.quantization, own_kernels=self._own_kernels(progress))
+        unavailable = self._own_kernels_unavailable() if self.config.quantization == Q4 else None
+        self.model = quantize_model(model, self.config.quantization, own_kernels=unavailable is None)
+        if self.config.quantization == Q4:
+            self.kernels = kernels_of(self.model)  # packing keeps torch's layout where a scale is no float16
+            progress("4-bit kernels: Ceiling's (inference/engine/kernels)" if self.kernels == OWN_KERNELS
+                     else f"4-bit kernels: torch's ({unavailable or 'scales that are not float16 numbers'})")
         self.weights_bytes = weights_memory_bytes(self.model)
         on_cpu = not self.config.device.startswith("cuda")
         self.loop = self._choose_loop(progress)
@@ -155,14 +161,11 @@ class Engine:
                 progress(f"Wide steps, their route vs a bf16 copy per pass over the block linears: "
                          f"{describe_wide(self.wide_min_rows, wide_timings)}")
 
-    def _own_kernels(self, progress) -> bool:
-        """Whether the q4 variant runs on Ceiling's kernels: built (once per machine) and loaded now."""
-        if self.config.quantization != Q4 or not self.config.own_kernels or self.config.device.startswith("cuda"):
-            return False
-        failure = kernels.load(self.config.kernel_cache_dir)
-        self.kernels = TORCH_KERNELS if failure else OWN_KERNELS
-        progress(f"4-bit kernels: torch's ({failure})" if failure else "4-bit kernels: Ceiling's (inference/engine/kernels)")
-        return failure is None
+    def _own_kernels_unavailable(self) -> str | None:
+        """Why the q4 variant cannot run on Ceiling's kernels (None: built, once per machine, and loaded now)."""
+        if not self.config.own_kernels:
+            return "own kernels turned off"
+        return kernels.load(self.config.kernel_cache_dir)
 
     def start(self) -> None:
         if self.model is None:

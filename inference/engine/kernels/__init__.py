@@ -49,11 +49,6 @@ def default_cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"ceiling-kernels-{os.getuid()}"
 
 
-def available() -> bool:
-    """Whether the ops are loaded in this process."""
-    return bool(_state["loaded"])
-
-
 def load(cache_dir: Path | None = None) -> str | None:
     """Build (once per machine) and load the kernels. Returns None when they are loaded, else why not.
 

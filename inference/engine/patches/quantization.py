@@ -193,6 +193,11 @@ def mode_of(model: torch.nn.Module) -> str:
     return NONE
 
 
+def kernels_of(model: torch.nn.Module) -> str:
+    """Whose kernels a q4 model's packed layers run on (read back from its layers, as mode_of reads the mode)."""
+    return next((m.q4_kernel for m in model.modules() if hasattr(m, "q4_kernel")), TORCH_KERNELS)
+
+
 # --- q4: the GGUF's 4-bit weights for decode steps ---------------------------------------------------
 
 
