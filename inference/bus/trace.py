@@ -4,7 +4,8 @@ Off by default (a production request records nothing). `manage.py bench --modes 
 in the daphne and worker it starts, and reads each request's stages back to split its TTFT:
 
     admitted     the guard said yes (web process)
-    dispatched   the Celery task is on the broker (web process)
+    dispatched   the Celery task is being published to the broker (web process; stamped before
+                 the publish, which a free worker can overtake)
     picked       a worker thread started the task
     sent         the worker sent the request to the remote server
     connected    the remote answered with its status and headers

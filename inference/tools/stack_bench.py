@@ -105,8 +105,8 @@ def run_remote(peer_url: str, requests: list[BenchRequest], *, threads: int, eng
 REMOTE_PARTS = (
     ("to_guard", "sent_by_client", "guard"),  # HTTP, the API key, parsing, the feature, tokenizing
     ("guard", "guard", "admitted"),  # the guard: the ledger row, the Lua check, the transcript
-    ("dispatch", "admitted", "dispatched"),  # the Celery task onto the broker
-    ("queue", "dispatched", "picked"),  # the broker, and a free worker thread
+    ("dispatch", "admitted", "dispatched"),  # to the thread that publishes the Celery task
+    ("queue", "dispatched", "picked"),  # the publish, the broker, and a free worker thread
     ("pickup", "picked", "sent"),  # the worker reads the row and opens the remote request
     ("connect", "sent", "connected"),  # the remote's status line and headers
     ("first_byte", "connected", "first_byte"),  # the remote's own time to its first piece

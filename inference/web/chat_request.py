@@ -527,13 +527,15 @@ def dispatch_generation(request_id: str, reply_to: str, variant: str | None = No
     from inference.tasks import generate
 
     queue = variants.variant_queue(variant or variants.default_variant())
+    # Stamped before the publish: a free worker can start the task before apply_async returns here.
+    publishing_at = time.time()
     try:
         generate.apply_async(args=[request_id, reply_to], queue=queue, retry=False)
     except Exception as exc:
         # Never leave an admitted request holding its reservation because the broker was away.
         fail_undispatched(request_id, str(exc))
         raise
-    mark(request_id, "dispatched")
+    mark(request_id, "dispatched", at=publishing_at)
 
 
 def fail_undispatched(request_id: str, error: str) -> None:
