@@ -84,11 +84,27 @@ struct QuantizedRows {
   }
 };
 
-// One output row for R input rows. `scales` holds, per chunk of 4 groups, their 4 scales d then
-// their 4 minima m (fp16, zero past the last group): one 16-byte load per chunk.
-template <int R>
-void q4_row(const QuantizedRows& xq, int64_t first, int64_t groups, const uint8_t* codes, const at::Half* scales,
-            float* out, int64_t ldo) {
+#ifdef CEILING_VNNI
+// The sums of 4 vectors' lanes, as one 4-lane vector (cheaper than 4 separate reductions).
+inline __m128 reduce_4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  // Per 128-bit lane: a0, a1, a2, a3's partial sums.
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+#endif
+
+// O output rows (codes and scales `row_bytes` / `row_scales` apart) for R input rows. `scales`
+// holds, per chunk of 4 groups, their 4 scales d then their 4 minima m (fp16, zero past the last
+// group): one 16-byte load per chunk. Several output rows at once keep several independent
+// accumulators in flight and share the activations' loads and the final reduction: a row of
+// SmolLM2's 576 inputs is only 4.5 chunks, and one row at a time spent as long on its setup and
+// reduction as on its arithmetic.
+template <int R, int O>
+void q4_block(const QuantizedRows& xq, int64_t first, int64_t groups, const uint8_t* codes, int64_t row_bytes,
+              const at::Half* scales, int64_t row_scales, float* out, int64_t ldo) {
   const int64_t chunks = xq.chunks;
 #ifdef CEILING_VNNI
   // Per chunk: the 64 code bytes' low nibbles are the 4 groups' weights 0-15, the high nibbles
@@ -97,44 +113,62 @@ void q4_row(const QuantizedRows& xq, int64_t first, int64_t groups, const uint8_
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i spread_d = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const __m512i spread_m = _mm512_add_epi32(spread_d, _mm512_set1_epi32(4));
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  auto step = [&](int64_t c, __m512i packed) {
-    const __m512i low = _mm512_and_si512(packed, nibble);
-    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-    const __m512 both = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + c * 8))));
-    const __m512 d = _mm512_permutexvar_ps(spread_d, both);
-    const __m512 m = _mm512_permutexvar_ps(spread_m, both);
+  __m512 acc[R][O];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) acc[r][o] = _mm512_setzero_ps();
+  auto step = [&](int64_t c, __mmask64 live) {
+    __m512i low[O], high[O];
+    __m512 d[O], m[O];
+    for (int o = 0; o < O; ++o) {
+      const __m512i packed = _mm512_maskz_loadu_epi8(live, codes + o * row_bytes + c * 64);
+      low[o] = _mm512_and_si512(packed, nibble);
+      high[o] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      const __m512 both = _mm512_castps256_ps512(
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + o * row_scales + c * 8))));
+      d[o] = _mm512_permutexvar_ps(spread_d, both);
+      m[o] = _mm512_permutexvar_ps(spread_m, both);
+    }
     for (int r = 0; r < R; ++r) {
       const int64_t at = (first + r) * chunks + c;
       const int8_t* x = xq.codes.data() + at * 128;
-      __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(x));
-      sum = _mm512_dpbusd_epi32(sum, high, _mm512_loadu_si512(x + 64));
-      const __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(xq.scales.data() + at * 16));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xq.sums.data() + at * 16), acc[r]);  // m·Σx, a quarter per lane
+      const __m512i x_low = _mm512_loadu_si512(x), x_high = _mm512_loadu_si512(x + 64);
+      const __m512 x_scale = _mm512_loadu_ps(xq.scales.data() + at * 16);
+      const __m512 x_sum = _mm512_loadu_ps(xq.sums.data() + at * 16);  // a quarter of Σx per lane
+      for (int o = 0; o < O; ++o) {
+        __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low[o], x_low);
+        sum = _mm512_dpbusd_epi32(sum, high[o], x_high);
+        acc[r][o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d[o], x_scale), acc[r][o]);
+        acc[r][o] = _mm512_fmadd_ps(m[o], x_sum, acc[r][o]);
+      }
     }
   };
   const int64_t full = groups / kChunk;
-  for (int64_t c = 0; c < full; ++c) step(c, _mm512_loadu_si512(codes + c * 64));
-  if (full < chunks) {  // the last chunk's groups past the row's end read as zero codes
-    const __mmask64 live = (__mmask64(1) << ((groups - full * kChunk) * 16)) - 1;
-    step(full, _mm512_maskz_loadu_epi8(live, codes + full * 64));
-  }
-  for (int r = 0; r < R; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
-#else
+  for (int64_t c = 0; c < full; ++c) step(c, ~__mmask64(0));
+  if (full < chunks) step(full, (__mmask64(1) << ((groups - full * kChunk) * 16)) - 1);  // past the end: zero codes
   for (int r = 0; r < R; ++r) {
-    float total = 0.f;
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t c = g / kChunk, lane = g % kChunk, at = (first + r) * chunks + c;
-      const int8_t* x = xq.codes.data() + at * 128 + lane * 16;
-      const uint8_t* block = codes + g * 16;
-      int32_t sum = 0;
-      for (int j = 0; j < 16; ++j) sum += int32_t(block[j] & 0x0F) * x[j] + int32_t(block[j] >> 4) * x[64 + j];
-      const float d = static_cast<float>(scales[c * 8 + lane]), m = static_cast<float>(scales[c * 8 + 4 + lane]);
-      total += d * xq.scales[at * 16 + lane * 4] * float(sum) + m * 4 * xq.sums[at * 16 + lane * 4];
+    if constexpr (O == 4) {
+      _mm_storeu_ps(out + r * ldo, reduce_4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    } else {
+      for (int o = 0; o < O; ++o) out[r * ldo + o] = _mm512_reduce_add_ps(acc[r][o]);
     }
-    out[r * ldo] = total;
+  }
+#else
+  for (int o = 0; o < O; ++o) {
+    const uint8_t* row_codes = codes + o * row_bytes;
+    const at::Half* row = scales + o * row_scales;
+    for (int r = 0; r < R; ++r) {
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t c = g / kChunk, lane = g % kChunk, at = (first + r) * chunks + c;
+        const int8_t* x = xq.codes.data() + at * 128 + lane * 16;
+        const uint8_t* block = row_codes + g * 16;
+        int32_t sum = 0;
+        for (int j = 0; j < 16; ++j) sum += int32_t(block[j] & 0x0F) * x[j] + int32_t(block[j] >> 4) * x[64 + j];
+        const float d = static_cast<float>(row[c * 8 + lane]), m = static_cast<float>(row[c * 8 + 4 + lane]);
+        total += d * xq.scales[at * 16 + lane * 4] * float(sum) + m * 4 * xq.sums[at * 16 + lane * 4];
+      }
+      out[r * ldo + o] = total;
+    }
   }
 #endif
 }
@@ -254,14 +288,27 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const uint8_t* all_codes = codes.data_ptr<uint8_t>();
   const at::Half* all_scales = scales_and_mins.data_ptr<at::Half>();
   float* result = out.data_ptr<float>();
+  const int64_t row_bytes = k / 2, row_scales = chunks * 8;
+  // Output rows per block: 4 for a lone input row, fewer as input rows add accumulators.
+  auto blocks = [&](int64_t first, auto tile, int64_t begin, int64_t end) {
+    constexpr int R = decltype(tile)::value, O = R == 1 ? 4 : (R == 2 ? 2 : 1);
+    int64_t o = begin;
+    for (; o + O <= end; o += O) {
+      if (first == 0)  // later input rows find these weights in cache
+        prefetch_row(all_codes + (o + kPrefetchRows) * row_bytes, O * row_bytes,
+                     all_scales + (o + kPrefetchRows) * row_scales, O * row_scales * 2);
+      q4_block<R, O>(xq, first, groups, all_codes + o * row_bytes, row_bytes, all_scales + o * row_scales, row_scales,
+                     result + first * n + o, n);
+    }
+    for (; o < end; ++o)
+      q4_block<R, 1>(xq, first, groups, all_codes + o * row_bytes, row_bytes, all_scales + o * row_scales, row_scales,
+                     result + first * n + o, n);
+  };
+  // A few output rows at a time go through every input row while their weights are in cache.
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
-      const uint8_t* row_codes = all_codes + o * (k / 2);
-      const at::Half* row_scales = all_scales + o * chunks * 8;
-      prefetch_row(row_codes + kPrefetchRows * (k / 2), k / 2, row_scales + kPrefetchRows * chunks * 8, chunks * 16);
-      over_row_tiles(rows, [&](int64_t first, auto tile) {
-        q4_row<decltype(tile)::value>(xq, first, groups, row_codes, row_scales, result + first * n + o, n);
-      });
+    for (int64_t from = begin; from < end; from += kGrain) {
+      const int64_t to = std::min(end, from + kGrain);
+      over_row_tiles(rows, [&](int64_t first, auto tile) { blocks(first, tile, from, to); });
     }
   });
   return out;
