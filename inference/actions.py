@@ -156,14 +156,21 @@ class SwitchRefused(Exception):
     """Staff may not switch the feature to these weights; the message says why."""
 
 
-def do_record_evaluation(feature: Feature, mode: str, run, prompt_set_size: int) -> QuantizationEvaluation:
-    """Store one evaluate_quantization run with the verdict under the staff's thresholds of now."""
+def do_record_evaluation(feature: Feature, mode: str, run, prompt_set_size: int,
+                         machine: str | None = None) -> QuantizationEvaluation:
+    """Store one evaluate_quantization run with the verdict under the staff's thresholds of now.
+
+    machine: where it was measured; by default this machine, since the process that measured a run
+    is the one that records it.
+    """
     from .engine.evaluate import verdict
+    from .engines import this_machine
 
     policy = QuantizationPolicy.current()
     row = QuantizationEvaluation(
         feature=feature,
         mode=mode,
+        machine=this_machine() if machine is None else machine,
         prompt_set_size=prompt_set_size,
         checkable=run.scores.checkable,
         baseline_correct=run.scores.baseline_correct,

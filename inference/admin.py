@@ -21,8 +21,8 @@ class QuantizationEvaluationAdmin(admin.ModelAdmin):
     """Read-only: an evaluation is a measurement, changed by nobody."""
 
     list_display = ["feature", "mode", "created_at", "passed", "checkable", "baseline_correct", "candidate_correct",
-                    "agreement", "baseline_tokens_per_s", "candidate_tokens_per_s"]
-    list_filter = ["feature", "mode", "passed"]
+                    "agreement", "baseline_tokens_per_s", "candidate_tokens_per_s", "machine"]
+    list_filter = ["feature", "mode", "passed", "machine"]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

@@ -16,6 +16,7 @@ from django.conf import settings
 
 from .engine import weights
 from .engine.config import EngineConfig, EngineError, default_device
+from .engine.machine import machine_signature
 from .variants import variant_queue, worker_variants
 
 if TYPE_CHECKING:  # the web tier imports model_dir from here, and must not import torch with it
@@ -47,6 +48,11 @@ def engine_config_from_settings(folder: Path, quantization: str | None = None) -
         own_kernels=settings.CEILING_OWN_KERNELS,
         kernel_cache_dir=Path(settings.VAR_DIR) / "kernels",
     )
+
+
+def this_machine() -> str:
+    """This machine as an evaluation records it: the engines of engine_config_from_settings run here."""
+    return machine_signature(settings.CEILING_TORCH_THREADS, settings.CEILING_DEVICE or default_device())
 
 
 # A worker process hosts the engine of one weight variant (inference/variants.py): CEILING_QUANTIZATION,

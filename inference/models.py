@@ -137,6 +137,10 @@ class QuantizationEvaluation(models.Model):
     passed = models.BooleanField()
     verdict = models.TextField()  # sentences: why it passed or failed
     answers = models.JSONField(default=list)
+    # Where it was measured (inference/engine/machine.py): CPU model, torch threads, the ISA features
+    # the variants' speed depends on. A verdict on throughput holds on that machine only; "" for the
+    # rows stored before it was recorded.
+    machine = models.CharField(max_length=200, blank=True, default="")
 
     class Meta:
         indexes = [models.Index(fields=["feature", "mode", "-created_at"])]
@@ -145,8 +149,12 @@ class QuantizationEvaluation(models.Model):
         return f"{self.feature} {self.mode} {'passed' if self.passed else 'failed'} {self.created_at:%Y-%m-%d %H:%M}"
 
     @classmethod
-    def latest_for(cls, feature: Feature, mode: str) -> QuantizationEvaluation | None:
-        return cls.objects.filter(feature=feature, mode=mode).order_by("-created_at", "-id").first()
+    def latest_for(cls, feature: Feature, mode: str, machine: str | None = None) -> QuantizationEvaluation | None:
+        """The latest evaluation of `mode` on the feature; with `machine`, the latest measured there."""
+        rows = cls.objects.filter(feature=feature, mode=mode)
+        if machine is not None:
+            rows = rows.filter(machine=machine)
+        return rows.order_by("-created_at", "-id").first()
 
     @property
     def answered(self) -> int:

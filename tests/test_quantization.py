@@ -16,7 +16,7 @@ from inference.actions import do_record_evaluation, switch_refusal
 from inference.engine import Engine
 from inference.engine.evaluate import compare, is_correct, load_prompts, score
 from inference.engine.patches.quantization import BF16, INT8, NONE, Q4, mode_of, weights_memory_bytes
-from inference.engines import engine_config_from_settings, model_dir
+from inference.engines import engine_config_from_settings, model_dir, this_machine
 from inference.models import QuantizationEvaluation, QuantizationPolicy
 
 
@@ -219,5 +219,6 @@ def test_the_evaluation_command_measures_one_engine_at_a_time(chat_feature):
     assert progress.index("Measuring the bf16 model's tokens/s") > baseline_measured
     row = QuantizationEvaluation.latest_for(chat_feature, "bf16")
     assert row.answered == 2 and not row.complete  # a --limit run is stored but approves nothing
+    assert row.machine == this_machine()  # choose_variant trusts only evaluations measured where it runs
     assert row.baseline_tokens_per_s > 0 and row.candidate_tokens_per_s > 0
     assert "full precision" in printed.getvalue() and "bf16" in printed.getvalue()

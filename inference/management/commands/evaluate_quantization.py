@@ -10,18 +10,9 @@ from django.core.management.base import CommandError
 
 from accounts.management.database import DatabaseCommand
 from budgets.models import Feature
-from inference.actions import do_record_evaluation
-from inference.engine import Engine
-from inference.engine.evaluate import (
-    MAX_NEW_TOKENS,
-    EvaluationError,
-    combine,
-    load_prompts,
-    mixed_workload,
-    run_variant,
-)
-from inference.engine.patches.quantization import BF16, INT8, NONE, Q4, QuantizationError
-from inference.engines import engine_config_from_settings, model_dir
+from inference.engine.evaluate import MAX_NEW_TOKENS, EvaluationError
+from inference.engine.patches.quantization import BF16, INT8, Q4, QuantizationError
+from inference.evaluations import evaluate_here
 
 
 class Command(DatabaseCommand):
@@ -46,22 +37,10 @@ class Command(DatabaseCommand):
         if target is None:
             raise CommandError(f"There is no feature named {feature!r}.")
         try:
-            prompts = load_prompts(feature)
-        except EvaluationError as exc:
+            row = evaluate_here(target, mode, limit=limit, workload=workload, max_new_tokens=max_new_tokens,
+                                concurrency=concurrency, progress=self.stderr.write)
+        except (EvaluationError, QuantizationError) as exc:
             raise CommandError(str(exc)) from None
-        chosen = prompts[:limit] if limit else prompts
-        requests = mixed_workload(chosen, workload, seed=0)
-        runs = []
-        for variant in (NONE, mode):
-            # One engine at a time: an idle engine's OpenMP team would slow the other's (evaluate.compare).
-            engine = self._engine(variant)
-            try:
-                runs.append(run_variant(engine, chosen, requests, max_new_tokens=max_new_tokens,
-                                        concurrency=concurrency, progress=self.stderr.write))
-            finally:
-                engine.stop()
-        run = combine(chosen, *runs, workload_requests=workload)
-        row = do_record_evaluation(target, mode, run, prompt_set_size=len(prompts))
         report = as_report(row)
         self.stdout.write(render_table(report))
         if json_path:
@@ -71,15 +50,6 @@ class Command(DatabaseCommand):
             else:
                 Path(json_path).write_text(text)
 
-    def _engine(self, variant: str) -> Engine:
-        engine = Engine(engine_config_from_settings(model_dir(progress=self.stderr.write), quantization=variant))
-        try:
-            engine.load(progress=self.stderr.write)
-        except QuantizationError as exc:
-            raise CommandError(str(exc)) from None
-        engine.start()
-        return engine
-
 
 def as_report(row) -> dict:
     return {
@@ -87,6 +57,7 @@ def as_report(row) -> dict:
         "feature": row.feature.name,
         "mode": row.mode,
         "torch_threads": torch.get_num_threads(),
+        "machine": row.machine,
         "prompts": {"answered": row.answered, "in_set": row.prompt_set_size, "checkable": row.checkable},
         "accuracy_pct": {"none": row.baseline_accuracy, row.mode: row.candidate_accuracy},
         "correct": {"none": row.baseline_correct, row.mode: row.candidate_correct},
@@ -116,5 +87,6 @@ def render_table(report: dict) -> str:
     lines.append(f"token agreement: {100 * report['agreement']:.1f}% · prompts: {report['prompts']['answered']} of "
                  f"{report['prompts']['in_set']}")
     lines.append(f"{'PASSED' if report['passed'] else 'FAILED'}: {report['verdict']}")
+    lines.append(f"Measured on: {report['machine']}")
     lines.append(f"Stored as evaluation #{report['evaluation_id']}.")
     return "\n".join(lines)
