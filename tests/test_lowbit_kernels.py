@@ -82,11 +82,12 @@ def test_the_4_bit_kernel_computes_the_quantized_product(in_features, rows):
 
 
 @pytest.mark.parametrize("in_features", [32, 576, 608])
-def test_the_int8_kernel_computes_the_quantized_product(in_features):
+@pytest.mark.parametrize("rows", [1, 2, 5])  # blocks of 4, 2 and 1 output rows
+def test_the_int8_kernel_computes_the_quantized_product(in_features, rows):
     generator = torch.Generator().manual_seed(1)
     weights = torch.randint(-127, 128, (300, in_features), generator=generator, dtype=torch.int8)
     row_scales = torch.rand(300, generator=generator) * 0.01
-    x = torch.randn(5, in_features)
+    x = torch.randn(rows, in_features)
     got = torch.ops.ceiling.q8_linear(x, (weights.int() + 128).to(torch.uint8), row_scales)
     x_codes, x_scale = quantized_activations(x)
     dots = torch.einsum("rgj,ogj->rog", x_codes, weights.double().reshape(300, -1, Q4_GROUP))

@@ -204,35 +204,54 @@ struct Q8Rows {
   }
 };
 
-// One output row of the int8 product for R input rows: per 64 weights one VNNI dot product per
-// input row, scaled per lane by its group's s.
-template <int R>
-void q8_row(const Q8Rows& xq, int64_t first, int64_t k, const uint8_t* codes, float scale, float* out, int64_t ldo) {
+// O output rows (`k` bytes apart) of the int8 product for R input rows: per 64 weights one VNNI
+// dot product per pair, scaled per lane by its group's s; several output rows at once for the
+// reasons q4_block gives.
+template <int R, int O>
+void q8_block(const Q8Rows& xq, int64_t first, int64_t k, const uint8_t* codes, const float* scales, float* out,
+              int64_t ldo) {
   const int64_t chunks = xq.chunks;
 #ifdef CEILING_VNNI
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    const __mmask64 live = (c + 1) * 64 <= k ? ~__mmask64(0) : (__mmask64(1) << (k - c * 64)) - 1;
-    const __m512i w = _mm512_maskz_loadu_epi8(live, codes + c * 64);
+  __m512 acc[R][O];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) acc[r][o] = _mm512_setzero_ps();
+  auto step = [&](int64_t c, __mmask64 live) {
+    __m512i w[O];
+    for (int o = 0; o < O; ++o) w[o] = _mm512_maskz_loadu_epi8(live, codes + o * k + c * 64);
     for (int r = 0; r < R; ++r) {
       const int64_t at = (first + r) * chunks + c;
-      const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(xq.codes.data() + at * 64));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_loadu_ps(xq.scales.data() + at * 16), acc[r]);
+      const __m512i x = _mm512_loadu_si512(xq.codes.data() + at * 64);
+      const __m512 x_scale = _mm512_loadu_ps(xq.scales.data() + at * 16);
+      for (int o = 0; o < O; ++o)
+        acc[r][o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[o], x)), x_scale,
+                                    acc[r][o]);
+    }
+  };
+  const int64_t full = k / 64;
+  for (int64_t c = 0; c < full; ++c) step(c, ~__mmask64(0));
+  if (full < chunks) step(full, (__mmask64(1) << (k - full * 64)) - 1);  // the last 32 weights of an odd group count
+  for (int r = 0; r < R; ++r) {
+    if constexpr (O == 4) {
+      const __m128 sums = reduce_4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+      _mm_storeu_ps(out + r * ldo, _mm_mul_ps(_mm_loadu_ps(scales), _mm_sub_ps(sums, _mm_set1_ps(xq.offset[first + r]))));
+    } else {
+      for (int o = 0; o < O; ++o) out[r * ldo + o] = scales[o] * (_mm512_reduce_add_ps(acc[r][o]) - xq.offset[first + r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r * ldo] = scale * (_mm512_reduce_add_ps(acc[r]) - xq.offset[first + r]);
 #else
-  for (int r = 0; r < R; ++r) {
-    float total = 0.f;
-    for (int64_t g = 0; g < k / kGroup; ++g) {
-      const int64_t at = (first + r) * chunks + g / 2;
-      const int8_t* x = xq.codes.data() + at * 64 + (g % 2) * 32;
-      int32_t sum = 0;
-      for (int64_t j = 0; j < kGroup; ++j) sum += int32_t(codes[g * kGroup + j]) * x[j];
-      total += xq.scales[at * 16 + (g % 2) * 8] * float(sum);
+  for (int o = 0; o < O; ++o) {
+    const uint8_t* row_codes = codes + o * k;
+    for (int r = 0; r < R; ++r) {
+      float total = 0.f;
+      for (int64_t g = 0; g < k / kGroup; ++g) {
+        const int64_t at = (first + r) * chunks + g / 2;
+        const int8_t* x = xq.codes.data() + at * 64 + (g % 2) * 32;
+        int32_t sum = 0;
+        for (int64_t j = 0; j < kGroup; ++j) sum += int32_t(row_codes[g * kGroup + j]) * x[j];
+        total += xq.scales[at * 16 + (g % 2) * 8] * float(sum);
+      }
+      out[r * ldo + o] = scales[o] * (total - xq.offset[first + r]);
     }
-    out[r * ldo] = scale * (total - xq.offset[first + r]);
   }
 #endif
 }
@@ -328,13 +347,19 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const uint8_t* all_codes = codes.data_ptr<uint8_t>();
   const float* all_scales = scales.data_ptr<float>();
   float* result = out.data_ptr<float>();
+  auto blocks = [&](int64_t first, auto tile, int64_t begin, int64_t end) {
+    constexpr int R = decltype(tile)::value, O = R == 1 ? 4 : (R == 2 ? 2 : 1);
+    int64_t o = begin;
+    for (; o + O <= end; o += O) {
+      if (first == 0) prefetch_row(all_codes + (o + kPrefetchRows) * k, O * k, nullptr, 0);
+      q8_block<R, O>(xq, first, k, all_codes + o * k, all_scales + o, result + first * n + o, n);
+    }
+    for (; o < end; ++o) q8_block<R, 1>(xq, first, k, all_codes + o * k, all_scales + o, result + first * n + o, n);
+  };
   at::parallel_for(0, n, kGrain * 16, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
-      const uint8_t* row_codes = all_codes + o * k;
-      prefetch_row(row_codes + kPrefetchRows * k, k, nullptr, 0);
-      over_row_tiles(rows, [&](int64_t first, auto tile) {
-        q8_row<decltype(tile)::value>(xq, first, k, row_codes, all_scales[o], result + first * n + o, n);
-      });
+    for (int64_t from = begin; from < end; from += kGrain) {
+      const int64_t to = std::min(end, from + kGrain);
+      over_row_tiles(rows, [&](int64_t first, auto tile) { blocks(first, tile, from, to); });
     }
   });
   return out;
