@@ -21,11 +21,13 @@ recompile, another minute in the loop's thread) is stepped eagerly instead, and 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import statistics
 import threading
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,7 +121,21 @@ def decode_step_function(runner) -> Callable:
             hidden = hidden + layer.down(F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:])
         return lm_head(F.rms_norm(hidden, (hidden_size,), final_norm, eps))
 
-    return decode_step
+    return _with_code_of_its_own(decode_step)
+
+
+_step_functions = itertools.count(1)
+
+
+def _with_code_of_its_own(function: Callable) -> Callable:
+    """The same function over a copy of its code object. Dynamo keeps its compiled graphs on the code
+    object, so each runner's step gets a cache of its own: a second engine in the process (another
+    variant, another layout of its weights) can never be handed the first one's graph, even with
+    the guards on the model's modules skipped."""
+    code = function.__code__.replace(co_name=f"{function.__name__}_{next(_step_functions)}")
+    copy = types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__, function.__closure__)
+    copy.__qualname__ = f"{function.__qualname__}_{code.co_name}"
+    return copy
 
 
 @dataclass(frozen=True)
@@ -198,11 +214,11 @@ class DecodeCompiler:
     def _compile_and_choose(self) -> None:
         runner = self.runner
         eager = decode_step_function(runner)
-        # Dynamo's guards on the model's modules cost ~1 ms of a lone step's ~12 (one thread), but
-        # they must stay: the graphs of every runner in a process share one cache (one code
-        # object), and without them a second engine's step (another variant, another layout of
-        # its weights) would run the first engine's graph (docs/engine.md).
-        compiled = torch.compile(eager, dynamic=True)
+        # Dynamo's guards on the model's modules cost ~1 ms of a lone step's ~12 (one thread). The
+        # runner's modules never change once loaded, and its step has a code object (so a graph
+        # cache) of its own (decode_step_function): the guards on the modules can go.
+        compiled = torch.compile(eager, dynamic=True,
+                                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         # A scratch cache of the live one's layout (one spare block, as runner.py's): the live cache
         # holds other requests' KV.
         shape = ((_scratch_blocks(runner) + 1) * runner.page_size, runner.kv_heads, runner.head_dim)
