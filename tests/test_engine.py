@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 import uuid
 
 import pytest
@@ -223,19 +224,26 @@ def test_sampled_requests_stream_logprobs_on_the_owned_loop_and_are_refused_on_t
 
 
 def test_stats_report_batch_cache_and_throughput(engine):
+    began = time.monotonic()
     handle = engine.submit("stats", engine.encode_chat([{"role": "user", "content": "Count to ten."}]), 40, ignore_eos=True)
     events = handle.events(timeout=60)
     next(events)
     during = engine.stats()
     list(events)
+    took_s = time.monotonic() - began
     after = engine.stats()
     assert during.running == 1 and during.kv_blocks_used >= 1
     assert during.kv_blocks_total == 64
     assert after.tokens_generated >= during.tokens_generated + 1
     assert after.tokens_per_s > 0
     assert after.requests_finished >= 1
-    # 40 tokens in 10 s is the load; the busy rate is the speed they were generated at, far higher.
-    assert after.busy_tokens_per_s > after.tokens_per_s and after.peak_tokens_per_s >= after.busy_tokens_per_s
+    # 40 tokens in 10 s is the load; the busy rate is the speed they were generated at, far higher
+    # (on a machine so busy that they took most of the 10 s, the two rates meet).
+    if took_s < 5:
+        assert after.busy_tokens_per_s > after.tokens_per_s
+    else:
+        assert after.busy_tokens_per_s >= 0.9 * after.tokens_per_s
+    assert after.peak_tokens_per_s >= after.busy_tokens_per_s
     # Its prompt over the time to its first token: at least the prompt in the time the whole answer took.
     prompt = len(engine.encode_chat([{"role": "user", "content": "Count to ten."}]))
     assert after.prefill_tokens_per_s > prompt / 10

@@ -165,7 +165,7 @@ def test_an_engine_where_the_kernels_cannot_build_serves_q4_on_torchs(tmp_path):
         "from inference.engine import Engine\n"
         "from inference.engines import engine_config_from_settings, model_dir\n"
         f"config = replace(engine_config_from_settings(model_dir()), quantization='q4', num_blocks=32, "
-        f"kernel_cache_dir=Path({str(tmp_path)!r}))\n"
+        f"skinny_linear=False, kernel_cache_dir=Path({str(tmp_path)!r}))\n"
         "engine = Engine(config)\n"
         "engine.load(progress=print)\n"
         "layers = [m for m in engine.model.modules() if hasattr(m, 'q4_weight')]\n"
@@ -181,9 +181,18 @@ def test_an_engine_where_the_kernels_cannot_build_serves_q4_on_torchs(tmp_path):
     assert "kernels torch {'torch'} torch" in finished.stdout
 
 
-def test_the_real_model_answers_on_the_own_kernels():
-    engine = Engine(replace(engine_config_from_settings(model_dir()), num_blocks=64, quantization=Q4, own_kernels=True))
+@pytest.fixture(scope="module")
+def own_kernels_engine():
+    """The real model's q4 variant on the own kernels, loaded once for this module's tests (not started).
+    No skinny-route measurement: these tests route every step themselves."""
+    engine = Engine(replace(engine_config_from_settings(model_dir()), num_blocks=64, quantization=Q4, own_kernels=True,
+                            skinny_linear=False))
     engine.load(progress=lambda _: None)
+    return engine
+
+
+def test_the_real_model_answers_on_the_own_kernels(own_kernels_engine):
+    engine = own_kernels_engine
     assert engine.kernels == OWN_KERNELS
     for layer in [m for m in engine.model.modules() if hasattr(m, "q4_weight")] + [engine.model.lm_head]:
         layer.q4_max_rows = 64  # every decode step on the kernels, whatever this machine measured
@@ -197,7 +206,7 @@ def test_the_real_model_answers_on_the_own_kernels():
 
 
 @pytest.mark.timeout(1200)  # a cold inductor cache on a loaded 2-core machine
-def test_a_compiled_lone_step_on_the_own_kernels_approximates_fp32_as_the_eager_one_does():
+def test_a_compiled_lone_step_on_the_own_kernels_approximates_fp32_as_the_eager_one_does(own_kernels_engine):
     """The graph calls the kernels as eager steps do (same layers, same layout), but its fused norms
     differ from eager ones in the last bit, and int8 rounding can turn that into another code: the
     two steps are two approximations of the fp32 step, equally good but not equal. Measured (max
@@ -207,8 +216,7 @@ def test_a_compiled_lone_step_on_the_own_kernels_approximates_fp32_as_the_eager_
     from inference.engine.owned.compiled import DecodeRow, decode_arguments, decode_step_function
     from inference.engine.owned.runner import ModelRunner
 
-    engine = Engine(replace(engine_config_from_settings(model_dir()), num_blocks=64, quantization=Q4, own_kernels=True))
-    engine.load(progress=lambda _: None)
+    engine = own_kernels_engine
     packed = [m for m in engine.model.modules() if hasattr(m, "q4_weight")] + [engine.model.lm_head]
     runner = ModelRunner(engine.model, num_blocks=8, page_size=32)
     eager = decode_step_function(runner)
