@@ -14,6 +14,7 @@ from inference.engines import model_dir
 from tests.test_owned_engine import greedy, model, prompts, run_to_the_end  # noqa: F401  (fixtures)
 
 NEW_TOKENS = 12
+READ_SLOTS = 6  # decode_arguments: hidden, cos, sin, k_caches, v_caches, write_slots, read_slots, lengths, mask
 BUCKETS = (1, 2)  # each bucket is a compile of its own (~a minute here): the suite compiles two
 
 pytestmark = pytest.mark.timeout(1200)  # a cold inductor cache on a loaded 2-core machine
@@ -118,7 +119,7 @@ def test_a_shared_prefix_request_goes_through_the_graph(model, prompts):  # noqa
         manager.runner.decode_steps = dict(manager.compiler.compiled_steps)
         tables = []
         step = manager.runner.decode_steps[1]
-        manager.runner.decode_steps[1] = lambda *arguments: tables.append(arguments[-2][0]) or step(*arguments)
+        manager.runner.decode_steps[1] = lambda *arguments: tables.append(arguments[READ_SLOTS][0]) or step(*arguments)
         for name in ("first", "second"):
             answers = run_to_the_end(manager, {name: prompts[0]}, NEW_TOKENS)
             assert answers[name] == greedy(model, prompts[0], NEW_TOKENS)

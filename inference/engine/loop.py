@@ -101,6 +101,7 @@ class Engine:
         self.weights_bytes = 0
         self.skinny_buckets: list[int] = []  # decode row buckets computed as W·xᵀ (inference/engine/patches/linears.py)
         self.q4_max_rows = 0  # steps of up to this many rows read the 4-bit weights (q4 variant only)
+        self.paged_attention = False  # decode rows attend on Ceiling's kernel, in place in the paged cache
         self.wide_min_rows = NEVER  # steps of at least this many rows read the bf16 copy (q4 variant only)
         self.q4_max_rows_before_wide = 0  # the 4-bit route's reach as measured against fp32 alone
         self.kernels = TORCH_KERNELS  # whose kernels the q4 variant's packed layers run on
@@ -134,7 +135,9 @@ class Engine:
             str(self.config.model_dir), dtype=dtype, attn_implementation="sdpa"
         )
         model = model.to(self.config.device).eval()
-        unavailable = self._own_kernels_unavailable() if self.config.quantization == Q4 else None
+        # Every CPU variant's decode attention runs on them (paged_attention), q4's linears too.
+        unavailable = self._own_kernels_unavailable() if not self.config.device.startswith("cuda") else "on a GPU"
+        self.paged_attention = unavailable is None and model.dtype == torch.float32
         self.model = quantize_model(model, self.config.quantization, own_kernels=unavailable is None)
         if self.config.quantization == Q4:
             self.kernels = kernels_of(self.model)  # packing keeps torch's layout where a scale is no float16
@@ -189,7 +192,7 @@ class Engine:
                 self.model, num_blocks=self.config.num_blocks, page_size=self.config.page_size,
                 max_batch_tokens=self.config.max_batch_tokens, prefix_sharing=self.config.prefix_sharing,
                 compile_buckets=() if self.config.device.startswith("cuda") else self.config.compile_buckets,
-                compile_cache_dir=self.config.compile_cache_dir,
+                compile_cache_dir=self.config.compile_cache_dir, paged_attention=self.paged_attention,
             )
             manager.start()
             return manager

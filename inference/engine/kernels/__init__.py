@@ -130,6 +130,10 @@ def _register_shapes() -> None:
     def _(x, codes, scales):
         return x.new_empty(x.shape[0], codes.shape[0])
 
+    @torch.library.register_fake("ceiling::decode_attention")
+    def _(q, k_cache, v_cache, slots, lengths):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
 
 # --- packing: the layouts lowbit.cpp reads ----------------------------------------------------------
 

@@ -93,8 +93,9 @@ def decode_step_function(runner) -> Callable:
 
     Arguments: the rows' hidden states [B, hidden], their rotary cos/sin [B, 1, head_dim], the
     per-layer K and V caches, the slot each row's K/V go to ([B]), the slots each row reads
-    ([B, L]: positions 0…L-1, padded past a shorter row's end) and the mask of the positions each
-    row may see ([B, 1, 1, L], None for a lone row). Slots rather than views of consecutive blocks:
+    ([B, L]: positions 0…L-1, padded past a shorter row's end), the number of positions each row
+    sees ([B]) and their mask ([B, 1, 1, L], None for a lone row; unused where the runner attends
+    on Ceiling's kernel, which reads the slots in place and stops at each row's length). Slots rather than views of consecutive blocks:
     a request whose prompt shares a prefix block, or whose blocks came back from the free list out
     of order, takes the same graph. Returns the logits [B, vocab].
     """
@@ -102,7 +103,9 @@ def decode_step_function(runner) -> Callable:
     hidden_size, eps, intermediate = runner.hidden, runner.eps, runner.intermediate
     layers, final_norm, lm_head = runner.layers, runner.final_norm, runner.lm_head
 
-    def decode_step(hidden, cos, sin, k_caches, v_caches, write_slots, read_slots, mask):
+    paged_attention = runner.paged_attention
+
+    def decode_step(hidden, cos, sin, k_caches, v_caches, write_slots, read_slots, lengths, mask):
         rows = hidden.shape[0]
         for layer, k_cache, v_cache in zip(layers, k_caches, v_caches, strict=True):
             x = F.rms_norm(hidden, (hidden_size,), layer.input_norm, eps)
@@ -111,10 +114,13 @@ def decode_step_function(runner) -> Callable:
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
             k_cache[write_slots] = k.to(k_cache.dtype)
             v_cache[write_slots] = v.to(v_cache.dtype)
-            keys = k_cache[read_slots].transpose(1, 2)  # [B, kv_heads, L, head_dim]
-            values = v_cache[read_slots].transpose(1, 2)
-            queries = q.to(keys.dtype).unsqueeze(2)  # [B, heads, 1, head_dim]
-            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
+            if paged_attention:
+                attended = torch.ops.ceiling.decode_attention(q.contiguous(), k_cache, v_cache, read_slots, lengths)
+            else:
+                keys = k_cache[read_slots].transpose(1, 2)  # [B, kv_heads, L, head_dim]
+                values = v_cache[read_slots].transpose(1, 2)
+                queries = q.to(keys.dtype).unsqueeze(2)  # [B, heads, 1, head_dim]
+                attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
             hidden = hidden + layer.o(attended.reshape(rows, -1).to(hidden.dtype))
             x = F.rms_norm(hidden, (hidden_size,), layer.post_norm, eps)
             gate_up = layer.gate_up(x)
@@ -165,11 +171,11 @@ def decode_arguments(runner, rows: Sequence[DecodeRow], bucket: int, k_caches, v
     position_tensor = torch.tensor(positions, device=device)
     cos = runner.cos[position_tensor].unsqueeze(1)
     sin = runner.sin[position_tensor].unsqueeze(1)
+    lengths = torch.tensor([row.length for row in rows] + [1] * (bucket - len(rows)), device=device)
     mask = None
-    if bucket > 1:
-        lengths = torch.tensor([row.length for row in rows] + [1] * (bucket - len(rows)), device=device)
+    if bucket > 1 and not runner.paged_attention:
         mask = (torch.arange(longest, device=device).unsqueeze(0) < lengths.unsqueeze(1)).view(bucket, 1, 1, longest)
-    return hidden, cos, sin, k_caches, v_caches, torch.tensor(write, device=device), torch.stack(reads), mask
+    return hidden, cos, sin, k_caches, v_caches, torch.tensor(write, device=device), torch.stack(reads), lengths, mask
 
 
 def _slot(block_table: list[int], position: int, page: int) -> int:

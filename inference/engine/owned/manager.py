@@ -44,8 +44,9 @@ class StepOutput:
 
 class OwnedManager:
     def __init__(self, model, *, num_blocks: int, page_size: int, max_batch_tokens: int, prefix_sharing: bool,
-                 compile_buckets: tuple[int, ...] = (), compile_cache_dir=None) -> None:
+                 compile_buckets: tuple[int, ...] = (), compile_cache_dir=None, paged_attention: bool = False) -> None:
         self.model = model
+        self.paged_attention = paged_attention
         self.compile_buckets = compile_buckets  # () : no compiled steps
         self.compile_cache_dir = compile_cache_dir
         self.compiler: DecodeCompiler | None = None
@@ -115,7 +116,7 @@ class OwnedManager:
 
     def _run(self) -> None:
         try:
-            self.runner = ModelRunner(self.model, self.num_blocks, self.page_size)
+            self.runner = ModelRunner(self.model, self.num_blocks, self.page_size, paged_attention=self.paged_attention)
         except Exception:
             log.exception("the owned engine loop could not build its KV cache")
             self._alive = False

@@ -80,7 +80,7 @@ def _layer_of(layer) -> _Layer:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, page_size: int) -> None:
+    def __init__(self, model, num_blocks: int, page_size: int, paged_attention: bool = False) -> None:
         config = model.config
         core = model.model
         self.model = model
@@ -93,6 +93,9 @@ class ModelRunner:
         self.embed = core.embed_tokens.weight
         self.dtype = self.embed.dtype
         self.device = self.embed.device
+        # Decode rows attend with torch.ops.ceiling.decode_attention, reading K and V in place (the
+        # engine loaded Ceiling's kernels; fp32 cache on the CPU); else gathered, then SDPA.
+        self.paged_attention = paged_attention and self.dtype == torch.float32 and self.device.type == "cpu"
         self.final_norm = core.norm.weight
         self.lm_head = _forward_of(model.lm_head)
         self.intermediate = config.intermediate_size
@@ -167,7 +170,11 @@ class ModelRunner:
 
     def _attention(self, q, k_cache, v_cache, batch: _StepBatch) -> torch.Tensor:
         parts = []
-        if batch.decode_rows:
+        if batch.decode_rows and self.paged_attention:
+            count = batch.decode_rows
+            queries = q[:count].contiguous()
+            parts.append(torch.ops.ceiling.decode_attention(queries, k_cache, v_cache, batch.decode_slots, batch.decode_lengths))
+        elif batch.decode_rows:
             count = batch.decode_rows
             keys, values = k_cache[batch.decode_slots], v_cache[batch.decode_slots]  # [B, L, …] or [L, …] alone
             if count == 1:
@@ -233,8 +240,12 @@ class _StepBatch:
         self.sin = runner.sin[position_tensor].unsqueeze(1)
         self.logit_rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
         self.write_slots = torch.tensor(write_slots, device=device)
-        self.decode_slots = self.decode_mask = None
-        if self.decode_rows:
+        self.decode_slots = self.decode_mask = self.decode_lengths = None
+        if self.decode_rows and runner.paged_attention:  # slots and lengths, read in place by the kernel
+            lengths = [len(seq) for seq in plan.decode]
+            self.decode_slots = torch.stack([_slots(runner, seq.block_table, max(lengths)) for seq in plan.decode])
+            self.decode_lengths = torch.tensor(lengths, device=device)
+        elif self.decode_rows:
             lengths = [len(seq) for seq in plan.decode]
             longest = max(lengths)
             if self.decode_rows == 1:

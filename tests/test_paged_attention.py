@@ -1,0 +1,91 @@
+"""Decode attention read in place from the paged KV cache (torch.ops.ceiling.decode_attention,
+inference/engine/kernels/lowbit.cpp): the same numbers as gathering the rows and calling
+scaled_dot_product_attention, inputs it cannot read refused with the reason, and the owned engine's
+decode steps on it (eager and compiled) answering exactly as greedy decoding does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inference.engine import kernels
+from inference.engine.owned.manager import OwnedManager
+from tests.test_owned_engine import greedy, model, prompts, run_to_the_end  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.timeout(1200)  # the compiled bucket: a cold inductor cache on a loaded machine
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loaded_kernels():
+    assert kernels.load() is None
+
+
+def gathered_attention(q, k_cache, v_cache, slots, lengths):
+    """What the kernel replaces: gather each row's K and V, mask past its length, SDPA (grouped heads)."""
+    rows, positions = slots.shape
+    keys, values = k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2)
+    mask = (torch.arange(positions).unsqueeze(0) < lengths.unsqueeze(1)).view(rows, 1, 1, positions)
+    return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True).reshape(rows, -1)
+
+
+@pytest.mark.parametrize(("rows", "positions", "heads", "kv_heads"), [
+    (1, 1, 9, 3),  # a first decode step sees one position
+    (1, 300, 9, 3),  # a lone request, grouped-query heads as SmolLM2's
+    (4, 77, 9, 3),  # a batch whose rows see different lengths
+    (2, 5000, 4, 4),  # long enough to split across threads; one query head per KV head
+])
+def test_the_kernel_computes_the_gathered_attention(rows, positions, heads, kv_heads):
+    generator = torch.Generator().manual_seed(rows * positions)
+    cache_slots = positions * rows + 64
+    k_cache = torch.randn(cache_slots, kv_heads, 64, generator=generator)
+    v_cache = torch.randn(cache_slots, kv_heads, 64, generator=generator)
+    q = torch.randn(rows, heads, 64, generator=generator)
+    # Scattered slots, as blocks come back from the free list; the rows' lengths differ.
+    slots = torch.stack([torch.randperm(cache_slots, generator=generator)[:positions] for _ in range(rows)])
+    lengths = torch.tensor([max(1, positions - 13 * row) for row in range(rows)])
+    got = torch.ops.ceiling.decode_attention(q, k_cache, v_cache, slots, lengths)
+    assert got.shape == (rows, heads * 64)
+    torch.testing.assert_close(got, gathered_attention(q, k_cache, v_cache, slots, lengths), rtol=1e-5, atol=1e-5)
+
+
+def test_slots_past_a_rows_length_are_never_read():
+    k_cache, v_cache, q = torch.randn(16, 1, 64), torch.randn(16, 1, 64), torch.randn(1, 1, 64)
+    slots = torch.tensor([[3, 4, 99_999]])  # the third would be outside the cache, past the row's length
+    got = torch.ops.ceiling.decode_attention(q, k_cache, v_cache, slots, torch.tensor([2]))
+    torch.testing.assert_close(got, gathered_attention(q, k_cache, v_cache, slots[:, :2], torch.tensor([2])))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"q": torch.randn(1, 9, 64).double()}, r"q must be a contiguous \[rows, heads, head_dim\] float32 tensor"),
+    ({"k_cache": torch.randn(32, 3, 64).bfloat16()}, "the caches must be contiguous"),
+    ({"q": torch.randn(1, 8, 64)}, "heads are not a multiple of kv_heads"),
+    ({"lengths": torch.tensor([11])}, "row 0 sees 11 positions, its slots hold 10"),
+    ({"lengths": torch.tensor([0])}, "row 0 sees 0 positions"),
+    ({"slots": torch.full((1, 10), 32)}, "a slot past the cache's 32"),
+    ({"slots": torch.zeros(1, 10, dtype=torch.int32)}, "slots must be a contiguous"),
+])
+def test_inputs_the_kernel_cannot_read_are_refused_with_the_reason(change, message):
+    arguments = {"q": torch.randn(1, 9, 64), "k_cache": torch.randn(32, 3, 64), "v_cache": torch.randn(32, 3, 64),
+                 "slots": torch.arange(10).unsqueeze(0), "lengths": torch.tensor([10])} | change
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.ceiling.decode_attention(**arguments)
+
+
+def test_decode_steps_on_the_kernel_answer_as_greedy_eagerly_and_compiled(model, prompts):  # noqa: F811
+    """Chunked prefill (SDPA) beside decode rows on the kernel, in batches of every size, then the
+    compiled lone-row graph on it: every answer the greedy one."""
+    manager = OwnedManager(model, num_blocks=64, page_size=16, max_batch_tokens=16, prefix_sharing=True,
+                           compile_buckets=(1,), paged_attention=True)
+    manager.start()
+    try:
+        assert manager.runner.paged_attention
+        answers = run_to_the_end(manager, {f"r{i}": p for i, p in enumerate(prompts)}, 16)
+        assert manager.compiler.wait(timeout=1100) and manager.compiler.compiled_steps, manager.compiler.report.describe()
+        manager.runner.decode_steps = dict(manager.compiler.compiled_steps)
+        lone = run_to_the_end(manager, {"lone": prompts[0]}, 16)
+    finally:
+        manager.stop()
+    for index, prompt in enumerate(prompts):
+        assert answers[f"r{index}"] == greedy(model, prompt, 16)
+    assert lone["lone"] == answers["r0"]
