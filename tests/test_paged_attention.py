@@ -34,6 +34,7 @@ def gathered_attention(q, k_cache, v_cache, slots, lengths):
     (1, 300, 9, 3),  # a lone request, grouped-query heads as SmolLM2's
     (4, 77, 9, 3),  # a batch whose rows see different lengths
     (2, 5000, 4, 4),  # long enough to split across threads; one query head per KV head
+    (2, 40, 16, 2),  # 8 query heads per KV head: the plain loops, not the 64-wide registers
 ])
 def test_the_kernel_computes_the_gathered_attention(rows, positions, heads, kv_heads):
     generator = torch.Generator().manual_seed(rows * positions)

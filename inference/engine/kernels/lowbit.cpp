@@ -366,6 +366,127 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 }
 
 
+
+#ifdef CEILING_AVX512
+// e^x for 16 floats (x ≤ 0 here: scores minus their maximum): x = n·ln2 + f, e^f by its Taylor
+// polynomial to f^7 (|f| ≤ ln2/2: relative error < 2e-7, about an fp32 ulp), times 2^n by vscalefps.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // e^-87 is already below fp32's normal range
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 split in two for exactness
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), f);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#ifdef CEILING_AVX512
+// attend_one_kv_head for heads of 64 and G query heads per KV head, everything in registers.
+template <int G>
+void attend_64(const float* q, const float* keys, const float* values, int64_t stride, const int64_t* slots,
+               int64_t seen, float scale, float* scores, int64_t ld_scores, float* out) {
+  __m512 qv[G][4];
+  for (int64_t h = 0; h < G; ++h)
+    for (int i = 0; i < 4; ++i) qv[h][i] = _mm512_mul_ps(_mm512_loadu_ps(q + h * 64 + i * 16), _mm512_set1_ps(scale));
+  for (int64_t t = 0; t < seen; ++t) {
+    const float* key = keys + slots[t] * stride;
+    const __m512 k0 = _mm512_loadu_ps(key), k1 = _mm512_loadu_ps(key + 16);
+    const __m512 k2 = _mm512_loadu_ps(key + 32), k3 = _mm512_loadu_ps(key + 48);
+    for (int64_t h = 0; h < G; ++h) {
+      __m512 a = _mm512_mul_ps(qv[h][0], k0);
+      a = _mm512_fmadd_ps(qv[h][1], k1, a);
+      a = _mm512_fmadd_ps(qv[h][2], k2, a);
+      a = _mm512_fmadd_ps(qv[h][3], k3, a);
+      scores[h * ld_scores + t] = _mm512_reduce_add_ps(a);
+    }
+  }
+  __m512 total[G][4];
+  for (int64_t h = 0; h < G; ++h) {
+    float* score = scores + h * ld_scores;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= seen; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(score + t));
+    float largest = _mm512_reduce_max_ps(top);
+    for (; t < seen; ++t) largest = std::max(largest, score[t]);
+    const __m512 shift = _mm512_set1_ps(largest);
+    __m512 sums = _mm512_setzero_ps();
+    for (t = 0; t < seen; t += 16) {
+      const __mmask16 live = seen - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (seen - t)) - 1);
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, score + t), shift));
+      _mm512_mask_storeu_ps(score + t, live, e);
+      sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(live, e));
+    }
+    const float inverse = 1.f / _mm512_reduce_add_ps(sums);
+    for (t = 0; t < seen; ++t) score[t] *= inverse;
+    for (int i = 0; i < 4; ++i) total[h][i] = _mm512_setzero_ps();
+  }
+  for (int64_t t = 0; t < seen; ++t) {
+    const float* value = values + slots[t] * stride;
+    const __m512 v0 = _mm512_loadu_ps(value), v1 = _mm512_loadu_ps(value + 16);
+    const __m512 v2 = _mm512_loadu_ps(value + 32), v3 = _mm512_loadu_ps(value + 48);
+    for (int64_t h = 0; h < G; ++h) {
+      const __m512 w = _mm512_set1_ps(scores[h * ld_scores + t]);
+      total[h][0] = _mm512_fmadd_ps(w, v0, total[h][0]);
+      total[h][1] = _mm512_fmadd_ps(w, v1, total[h][1]);
+      total[h][2] = _mm512_fmadd_ps(w, v2, total[h][2]);
+      total[h][3] = _mm512_fmadd_ps(w, v3, total[h][3]);
+    }
+  }
+  for (int64_t h = 0; h < G; ++h)
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out + h * 64 + i * 16, total[h][i]);
+}
+#endif
+
+// The `group` query heads that share one KV head, over one row's `seen` positions: scores (scaled
+// dot products), their softmax, and the weighted sum of the values into out[group, dim]. `keys`
+// and `values` point at this KV head's first dimension of slot 0; a slot's row is `stride` floats.
+void attend_one_kv_head(const float* q, const float* keys, const float* values, int64_t stride, const int64_t* slots,
+                        int64_t seen, int64_t group, int64_t dim, float scale, float* scores, int64_t ld_scores,
+                        float* out) {
+#ifdef CEILING_AVX512
+  if (dim == 64 && group <= 4) {  // SmolLM2's and most small models' heads
+    switch (group) {
+      case 1: return attend_64<1>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
+      case 2: return attend_64<2>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
+      case 3: return attend_64<3>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
+      default: return attend_64<4>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
+    }
+  }
+#endif
+  for (int64_t t = 0; t < seen; ++t) {
+    const float* key = keys + slots[t] * stride;
+    for (int64_t h = 0; h < group; ++h) {
+      const float* q_head = q + h * dim;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < dim; ++d) dot += q_head[d] * key[d];
+      scores[h * ld_scores + t] = dot * scale;
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    float* score = scores + h * ld_scores;
+    const float largest = *std::max_element(score, score + seen);
+    float sum = 0.f;
+    for (int64_t t = 0; t < seen; ++t) sum += (score[t] = std::exp(score[t] - largest));
+    const float inverse = 1.f / sum;
+    float* total = out + h * dim;
+    std::fill_n(total, dim, 0.f);
+    for (int64_t t = 0; t < seen; ++t) {
+      const float* value = values + slots[t] * stride;
+      const float weight = score[t] * inverse;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) total[d] += weight * value[d];
+    }
+  }
+}
+
 #ifndef ATTENTION_GRAIN
 #define ATTENTION_GRAIN 4096
 #endif
@@ -410,36 +531,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t grain = std::max<int64_t>(1, kAttentionGrain / std::max<int64_t>(1, positions));
   at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * positions);
-    std::vector<float> total(dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / kv_heads, g = task % kv_heads, seen = length[r];
-      const float* q_group = query + (r * heads + g * group) * dim;
-      const int64_t* row_slots = slot + r * positions;
-      for (int64_t t = 0; t < seen; ++t) {
-        const float* key = keys + (row_slots[t] * kv_heads + g) * dim;
-        for (int64_t h = 0; h < group; ++h) {
-          const float* q_head = q_group + h * dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += q_head[d] * key[d];
-          scores[h * positions + t] = dot * scale;
-        }
-      }
-      for (int64_t h = 0; h < group; ++h) {
-        float* score = scores.data() + h * positions;
-        const float largest = *std::max_element(score, score + seen);
-        float sum = 0.f;
-        for (int64_t t = 0; t < seen; ++t) sum += (score[t] = std::exp(score[t] - largest));
-        const float inverse = 1.f / sum;
-        std::fill(total.begin(), total.end(), 0.f);
-        for (int64_t t = 0; t < seen; ++t) {
-          const float* value = values + (row_slots[t] * kv_heads + g) * dim;
-          const float weight = score[t] * inverse;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) total[d] += weight * value[d];
-        }
-        std::copy(total.begin(), total.end(), result + r * heads * dim + (g * group + h) * dim);
-      }
+      const int64_t r = task / kv_heads, g = task % kv_heads;
+      attend_one_kv_head(query + (r * heads + g * group) * dim, keys + g * dim, values + g * dim, kv_heads * dim,
+                         slot + r * positions, length[r], group, dim, scale, scores.data(), positions,
+                         result + r * heads * dim + g * group * dim);
     }
   });
   return out;
