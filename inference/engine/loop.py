@@ -137,8 +137,9 @@ class Engine:
         model = model.to(self.config.device).eval()
         # Every CPU variant's decode attention runs on them (paged_attention), q4's linears too.
         unavailable = self._own_kernels_unavailable() if not self.config.device.startswith("cuda") else "on a GPU"
-        self.paged_attention = unavailable is None and model.dtype == torch.float32
         self.model = quantize_model(model, self.config.quantization, own_kernels=unavailable is None)
+        # The kernel reads an fp32 cache, and the cache takes the embeddings' dtype (bf16 for that variant).
+        self.paged_attention = unavailable is None and self.model.get_input_embeddings().weight.dtype == torch.float32
         if self.config.quantization == Q4:
             self.kernels = kernels_of(self.model)  # packing keeps torch's layout where a scale is no float16
             progress("4-bit kernels: Ceiling's (inference/engine/kernels)" if self.kernels == OWN_KERNELS
