@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.engine import Engine, EngineConfig
+from inference.engine import Engine, EngineConfig, kernels
 from inference.engine.owned.compiled import CompileReport, DecodeRow, decode_arguments, decode_step_function
 from inference.engine.owned.manager import OwnedManager
 from inference.engines import model_dir
@@ -22,8 +22,11 @@ pytestmark = pytest.mark.timeout(1200)  # a cold inductor cache on a loaded 2-co
 
 @pytest.fixture(scope="module")
 def compiled_manager(model):  # noqa: F811
+    # As an engine on a CPU runs them: decode attention on Ceiling's kernel, in place in the paged
+    # cache (the SDPA graph is compiled by tests/test_lowbit_kernels.py's own-kernels test).
+    assert kernels.load() is None
     manager = OwnedManager(model, num_blocks=64, page_size=32, max_batch_tokens=256, prefix_sharing=False,
-                           compile_buckets=BUCKETS)
+                           compile_buckets=BUCKETS, paged_attention=True)
     manager.start()
     try:
         assert manager.compiler is not None and manager.compiler.wait(timeout=1100), "the compile thread never finished"
@@ -111,8 +114,9 @@ def test_a_padded_row_writes_only_the_scratch_block(compiled_manager):
 def test_a_shared_prefix_request_goes_through_the_graph(model, prompts):  # noqa: F811
     """Prefix sharing hands the second request the first one's prompt blocks and fresh ones after
     them: not consecutive, and still the compiled step, token for token greedy."""
+    assert kernels.load() is None
     manager = OwnedManager(model, num_blocks=64, page_size=8, max_batch_tokens=256, prefix_sharing=True,
-                           compile_buckets=(1,))
+                           compile_buckets=(1,), paged_attention=True)
     manager.start()
     try:
         assert manager.compiler.wait(timeout=1100) and manager.compiler.compiled_steps

@@ -1,7 +1,8 @@
 """Decode attention read in place from the paged KV cache (torch.ops.ceiling.decode_attention,
 inference/engine/kernels/lowbit.cpp): the same numbers as gathering the rows and calling
 scaled_dot_product_attention, inputs it cannot read refused with the reason, and the owned engine's
-decode steps on it (eager and compiled) answering exactly as greedy decoding does."""
+eager decode steps on it answering exactly as greedy decoding does (its compiled graphs run on it
+in tests/test_compiled_decode.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import torch.nn.functional as F
 from inference.engine import kernels
 from inference.engine.owned.manager import OwnedManager
 from tests.test_owned_engine import greedy, model, prompts, run_to_the_end  # noqa: F401  (fixtures)
-
-pytestmark = pytest.mark.timeout(1200)  # the compiled bucket: a cold inductor cache on a loaded machine
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,20 +72,16 @@ def test_inputs_the_kernel_cannot_read_are_refused_with_the_reason(change, messa
         torch.ops.ceiling.decode_attention(**arguments)
 
 
-def test_decode_steps_on_the_kernel_answer_as_greedy_eagerly_and_compiled(model, prompts):  # noqa: F811
-    """Chunked prefill (SDPA) beside decode rows on the kernel, in batches of every size, then the
-    compiled lone-row graph on it: every answer the greedy one."""
+def test_eager_decode_steps_on_the_kernel_answer_as_greedy(model, prompts):  # noqa: F811
+    """Chunked prefill (SDPA) beside decode rows on the kernel, in batches of every size: every answer
+    the greedy one. (The compiled graphs on it: tests/test_compiled_decode.py.)"""
     manager = OwnedManager(model, num_blocks=64, page_size=16, max_batch_tokens=16, prefix_sharing=True,
-                           compile_buckets=(1,), paged_attention=True)
+                           paged_attention=True)
     manager.start()
     try:
         assert manager.runner.paged_attention
         answers = run_to_the_end(manager, {f"r{i}": p for i, p in enumerate(prompts)}, 16)
-        assert manager.compiler.wait(timeout=1100) and manager.compiler.compiled_steps, manager.compiler.report.describe()
-        manager.runner.decode_steps = dict(manager.compiler.compiled_steps)
-        lone = run_to_the_end(manager, {"lone": prompts[0]}, 16)
     finally:
         manager.stop()
     for index, prompt in enumerate(prompts):
         assert answers[f"r{index}"] == greedy(model, prompt, 16)
-    assert lone["lone"] == answers["r0"]
