@@ -1,19 +1,21 @@
-"""Ceiling's own CPU kernels for the q4 variant's decode steps (lowbit.cpp), built on first use.
+"""Ceiling's own CPU kernels for decode steps (lowbit.cpp), built on first use.
 
 torch's CPU int4 kernel streamed the 4-bit weights at ~7 GB/s on an Intel Xeon with AMX, a third
 of what the memory gives, and wants bf16 activations in its own tile layout; a lone request's
 decode step spent most of its time there (docs/engine.md). lowbit.cpp reads the GGUF's Q4_1
 blocks as they are, row by row, and multiplies them with the activations quantized to int8 per
 32 values (AVX-512 VNNI, as llama.cpp does for Q4_1 × Q8_1), with a plain loop where the CPU lacks
-those instructions. It also holds the lm_head's int8 product.
+those instructions. It also holds the lm_head's int8 product, and the decode attention that every
+fp32 CPU engine's owned loop runs: each decode row's keys and values read where they sit in the
+paged KV cache, nothing gathered first.
 
 The library is compiled once per machine, CPU and torch (-march=native; the file name carries a
 hash of all of them) into a cache folder, by the first process that needs it (written under a
 temporary name and renamed, so processes starting together never load half a file), and loaded
-with torch.ops.load_library: the ops are then `torch.ops.ceiling.q4_linear` and
-`torch.ops.ceiling.q8_linear`, with shape functions registered so torch.compile traces them as
-opaque calls. Where it cannot be built (no C++ compiler), `load` says why and the q4 variant keeps
-torch's kernels.
+with torch.ops.load_library: the ops are then `torch.ops.ceiling.q4_linear`,
+`torch.ops.ceiling.q8_linear` and `torch.ops.ceiling.decode_attention`, with shape functions
+registered so torch.compile traces them as opaque calls. Where it cannot be built (no C++ compiler), `load` says why: the q4 variant keeps
+torch's kernels, and decode rows gather their keys and values for SDPA.
 """
 
 from __future__ import annotations

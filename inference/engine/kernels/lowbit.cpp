@@ -1,4 +1,5 @@
-// Decode-step linears over the model's own low-bit weights, for a few token rows at a time.
+// Decode-step linears over the model's own low-bit weights, for a few token rows at a time, and
+// decode attention read in place from the paged KV cache (decode_attention, at the end).
 //
 // A decode step multiplies a handful of rows by every weight once, so it is bound by reading the
 // weights; torch's CPU int4 kernel streamed them at ~7 GB/s on an Intel Xeon (bf16 activations,
@@ -509,7 +510,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(k_cache.size(2) == dim && heads % kv_heads == 0,
               "decode_attention: head_dim differs or heads are not a multiple of kv_heads");
   TORCH_CHECK(slots.dim() == 2 && slots.size(0) == rows && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
-                  lengths.dim() == 1 && lengths.size(0) == rows && lengths.scalar_type() == at::kLong,
+                  lengths.dim() == 1 && lengths.size(0) == rows && lengths.scalar_type() == at::kLong &&
+                  lengths.is_contiguous(),
               "decode_attention: slots must be a contiguous [rows, positions] int64 tensor, lengths [rows] int64");
   const int64_t positions = slots.size(1), group = heads / kv_heads, cache_slots = k_cache.size(0);
   at::Tensor out = at::empty({rows, heads * dim}, q.options());
