@@ -292,6 +292,25 @@ inline void prefetch_row(const void* codes, int64_t code_bytes, const void* scal
 // Output rows per task: enough work to pay for handing it to a thread, small enough to split evenly.
 constexpr int64_t kGrain = 16;
 
+// Calls block(first input row, its tile R, first output row o, O) over every output row in blocks
+// of O (4 for a lone input row, 2 for two, else 1; singles where a range ends), kGrain output rows
+// at a time through every tile of input rows while their weights are in cache, the tasks of
+// `task_grain` output rows spread over torch's threads.
+template <typename Block>
+void over_output_blocks(int64_t n, int64_t rows, int64_t task_grain, Block&& block) {
+  at::parallel_for(0, n, task_grain, [&](int64_t begin, int64_t end) {
+    for (int64_t from = begin; from < end; from += kGrain) {
+      const int64_t to = std::min(end, from + kGrain);
+      over_row_tiles(rows, [&](int64_t first, auto tile) {
+        constexpr int R = decltype(tile)::value, O = R == 1 ? 4 : (R == 2 ? 2 : 1);
+        int64_t o = from;
+        for (; o + O <= to; o += O) block(first, tile, o, std::integral_constant<int, O>{});
+        for (; o < to; ++o) block(first, tile, o, std::integral_constant<int, 1>{});
+      });
+    }
+  });
+}
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales_and_mins) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "q4_linear: codes must be a contiguous [out, in/2] uint8 tensor");
@@ -310,26 +329,13 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   float* result = out.data_ptr<float>();
   const int64_t row_bytes = k / 2, row_scales = chunks * 8;
   // Output rows per block: 4 for a lone input row, fewer as input rows add accumulators.
-  auto blocks = [&](int64_t first, auto tile, int64_t begin, int64_t end) {
-    constexpr int R = decltype(tile)::value, O = R == 1 ? 4 : (R == 2 ? 2 : 1);
-    int64_t o = begin;
-    for (; o + O <= end; o += O) {
-      if (first == 0)  // later input rows find these weights in cache
-        prefetch_row(all_codes + (o + kPrefetchRows) * row_bytes, O * row_bytes,
-                     all_scales + (o + kPrefetchRows) * row_scales, O * row_scales * 2);
-      q4_block<R, O>(xq, first, groups, all_codes + o * row_bytes, row_bytes, all_scales + o * row_scales, row_scales,
-                     result + first * n + o, n);
-    }
-    for (; o < end; ++o)
-      q4_block<R, 1>(xq, first, groups, all_codes + o * row_bytes, row_bytes, all_scales + o * row_scales, row_scales,
-                     result + first * n + o, n);
-  };
-  // A few output rows at a time go through every input row while their weights are in cache.
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t from = begin; from < end; from += kGrain) {
-      const int64_t to = std::min(end, from + kGrain);
-      over_row_tiles(rows, [&](int64_t first, auto tile) { blocks(first, tile, from, to); });
-    }
+  over_output_blocks(n, rows, kGrain, [&](int64_t first, auto tile, int64_t o, auto block) {
+    constexpr int R = decltype(tile)::value, O = decltype(block)::value;
+    if (first == 0)  // later input rows find these weights in cache
+      prefetch_row(all_codes + (o + kPrefetchRows) * row_bytes, O * row_bytes,
+                   all_scales + (o + kPrefetchRows) * row_scales, O * row_scales * 2);
+    q4_block<R, O>(xq, first, groups, all_codes + o * row_bytes, row_bytes, all_scales + o * row_scales, row_scales,
+                   result + first * n + o, n);
   });
   return out;
 }
@@ -348,20 +354,10 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const uint8_t* all_codes = codes.data_ptr<uint8_t>();
   const float* all_scales = scales.data_ptr<float>();
   float* result = out.data_ptr<float>();
-  auto blocks = [&](int64_t first, auto tile, int64_t begin, int64_t end) {
-    constexpr int R = decltype(tile)::value, O = R == 1 ? 4 : (R == 2 ? 2 : 1);
-    int64_t o = begin;
-    for (; o + O <= end; o += O) {
-      if (first == 0) prefetch_row(all_codes + (o + kPrefetchRows) * k, O * k, nullptr, 0);
-      q8_block<R, O>(xq, first, k, all_codes + o * k, all_scales + o, result + first * n + o, n);
-    }
-    for (; o < end; ++o) q8_block<R, 1>(xq, first, k, all_codes + o * k, all_scales + o, result + first * n + o, n);
-  };
-  at::parallel_for(0, n, kGrain * 16, [&](int64_t begin, int64_t end) {
-    for (int64_t from = begin; from < end; from += kGrain) {
-      const int64_t to = std::min(end, from + kGrain);
-      over_row_tiles(rows, [&](int64_t first, auto tile) { blocks(first, tile, from, to); });
-    }
+  over_output_blocks(n, rows, kGrain * 16, [&](int64_t first, auto tile, int64_t o, auto block) {
+    constexpr int R = decltype(tile)::value, O = decltype(block)::value;
+    if (first == 0) prefetch_row(all_codes + (o + kPrefetchRows) * k, O * k, nullptr, 0);
+    q8_block<R, O>(xq, first, k, all_codes + o * k, all_scales + o, result + first * n + o, n);
   });
   return out;
 }
