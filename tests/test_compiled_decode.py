@@ -93,7 +93,8 @@ def test_a_padded_row_writes_only_the_scratch_block(compiled_manager):
     manager's blocks, and the real row's logits and K/V equal the eager step's."""
     runner = compiled_manager.runner
     shape = runner.k_cache[0].shape
-    caches = [[torch.randn(shape) for _ in runner.layers] for _ in range(2)]
+    generator = torch.Generator().manual_seed(91)  # the same cache every run: a failure can be replayed
+    caches = [[torch.randn(shape, generator=generator) for _ in runner.layers] for _ in range(2)]
     copies = [[cache.clone() for cache in layer_caches] for layer_caches in caches]
     row = DecodeRow(42, [9, 2, 40], 78)  # blocks out of order: a shared prefix block, a reused one
     written = 40 * runner.page_size + 77 % runner.page_size
@@ -103,7 +104,10 @@ def test_a_padded_row_writes_only_the_scratch_block(compiled_manager):
         compiled = runner.decode_steps[2](*decode_arguments(runner, [row], 2, *caches))
         eager = decode_step_function(runner)(*decode_arguments(runner, [row], 1, *copies))
     assert compiled.shape[0] == 2
-    assert torch.allclose(compiled[:1], eager, atol=1e-3, rtol=1e-3) and int(compiled[0].argmax()) == int(eager.argmax())
+    assert torch.allclose(compiled[:1], eager, atol=1e-3, rtol=1e-3)
+    top_two = eager[0].topk(2).values
+    if top_two[0] - top_two[1] > 2e-3:  # a near tie may go either way within the tolerance above
+        assert int(compiled[0].argmax()) == int(eager.argmax())
     for after, before, expected in zip(caches[0], untouched, copies[0], strict=True):
         changed = (after != before).any(dim=(1, 2)).nonzero().flatten().tolist()
         assert set(changed) <= {written, scratch} and written in changed

@@ -66,7 +66,7 @@ def q4_reference(x: torch.Tensor, codes, scale, minimum) -> torch.Tensor:
     return (dots * scale.double()[None] * x_scale[..., 0][:, None] + minimum.double()[None] * sums[:, None]).sum(-1)
 
 
-@pytest.mark.parametrize("in_features", [32, 576, 1536])  # one group; a last chunk of 2 groups; whole chunks
+@pytest.mark.parametrize("in_features", [32, 96, 576, 1536])  # one group; 3 (a last half-chunk of one); a last chunk of 2; whole chunks
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])  # blocks of 4, 2 and 1 output rows; tiles of 4 input rows and a narrower last one
 def test_the_4_bit_kernel_computes_the_quantized_product(in_features, rows):
     codes, scale, minimum = random_q4(70, in_features)

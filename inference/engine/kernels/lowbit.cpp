@@ -17,8 +17,9 @@
 //   ceiling::q8_linear(x[M,K] f32, codes[N,K] u8, scales[N] f32) -> [M,N] f32
 //       int8 weights stored + 128, one scale per output row (the lm_head's int8 copy).
 //
-// Built once per machine with -march=native (inference/engine/kernels/__init__.py); without
-// AVX-512 VNNI the same arithmetic runs as plain loops the compiler vectorises.
+// Built once per machine with -march=native (inference/engine/kernels/__init__.py). Without
+// AVX-512 VNNI the same int8 arithmetic runs 32 bytes at a time with AVX2 (maddubs, as llama.cpp's
+// AVX2 build does), and without AVX2 as plain loops the compiler vectorises.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -37,6 +38,12 @@
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define CEILING_VNNI 1
 #endif
+#endif
+// AVX2 machines (AMD EPYC of the Zen 2 generation, older Xeons) multiply the same int8 partners 32
+// bytes at a time with maddubs: without it the plain loops ran a lone q4 step at ~2× llama.cpp's time.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define CEILING_AVX2 1
 #endif
 
 namespace {
@@ -97,6 +104,27 @@ inline __m128 reduce_4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 #endif
 
+#ifdef CEILING_AVX2
+// The sums of 4 vectors' 8 lanes, as one 4-lane vector.
+inline __m128 reduce_4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  // Per 128-bit lane, after two rounds of pairwise sums: a0, a1, a2, a3's partial sums.
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+inline float reduce_add(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Σ u·s over 32 unsigned × signed bytes, as 8 int32 lanes of 4 products each. maddubs adds pairs
+// into int16 lanes: callers keep each pair's sum below 2^15 (4-bit codes, or |w| ≤ 128 by the sign trick).
+inline __m256i dot_u8_s8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+#endif
+
 // O output rows (codes and scales `row_bytes` / `row_scales` apart) for R input rows. `scales`
 // holds, per chunk of 4 groups, their 4 scales d then their 4 minima m (fp16, zero past the last
 // group): one 16-byte load per chunk. Several output rows at once keep several independent
@@ -151,6 +179,56 @@ void q4_block(const QuantizedRows& xq, int64_t first, int64_t groups, const uint
       _mm_storeu_ps(out + r * ldo, reduce_4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
     } else {
       for (int o = 0; o < O; ++o) out[r * ldo + o] = _mm512_reduce_add_ps(acc[r][o]);
+    }
+  }
+#elif defined(CEILING_AVX2)
+  // Half a chunk at a time: 32 code bytes are 2 groups; their low nibbles meet the activations'
+  // values 0-15 of those groups, the high nibbles values 16-31, and lanes 0-3 / 4-7 of the int32
+  // dot product hold the first / second group's partial sums. The weights of an output row are
+  // loaded once per half and used for every input row; the activations come from L1.
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256 acc[R][O];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) acc[r][o] = _mm256_setzero_ps();
+  auto half = [&](int64_t c, int h, bool both_groups) {
+    const __m256i spread_d = _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 1, 2 * h + 1, 2 * h + 1, 2 * h + 1);
+    const __m256i spread_m = _mm256_add_epi32(spread_d, _mm256_set1_epi32(4));
+    for (int o = 0; o < O; ++o) {
+      const uint8_t* at_codes = codes + o * row_bytes + c * 64 + h * 32;
+      // A row's last group alone: 16 bytes, not a read past the row (past the tensor, for the last row).
+      const __m256i packed = both_groups ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at_codes))
+                                         : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at_codes)));
+      const __m256i low = _mm256_and_si256(packed, nibble);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+      const __m256 both = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + o * row_scales + c * 8)));
+      const __m256 d = _mm256_permutevar8x32_ps(both, spread_d), m = _mm256_permutevar8x32_ps(both, spread_m);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (first + r) * chunks + c;
+        const int8_t* x = xq.codes.data() + at * 128 + h * 32;
+        const __m256i x_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+        const __m256i x_high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64));
+        // 15·127·2 per int16 lane at most, twice: no saturation.
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, x_low), _mm256_maddubs_epi16(high, x_high));
+        const __m256i sum = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+        const __m256 x_scale = _mm256_loadu_ps(xq.scales.data() + at * 16 + h * 8);
+        const __m256 x_sum = _mm256_loadu_ps(xq.sums.data() + at * 16 + h * 8);  // a quarter of Σx per lane
+        acc[r][o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, x_scale), acc[r][o]);
+        acc[r][o] = _mm256_fmadd_ps(m, x_sum, acc[r][o]);
+      }
+    }
+  };
+  const int64_t full = groups / kChunk, left = groups - full * kChunk;
+  for (int64_t c = 0; c < full; ++c) {
+    half(c, 0, true);
+    half(c, 1, true);
+  }
+  if (left >= 1) half(full, 0, left >= 2);
+  if (left == 3) half(full, 1, false);
+  for (int r = 0; r < R; ++r) {
+    if constexpr (O == 4) {
+      _mm_storeu_ps(out + r * ldo, reduce_4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    } else {
+      for (int o = 0; o < O; ++o) out[r * ldo + o] = reduce_add(acc[r][o]);
     }
   }
 #else
@@ -237,6 +315,34 @@ void q8_block(const Q8Rows& xq, int64_t first, int64_t k, const uint8_t* codes, 
       _mm_storeu_ps(out + r * ldo, _mm_mul_ps(_mm_loadu_ps(scales), _mm_sub_ps(sums, _mm_set1_ps(xq.offset[first + r]))));
     } else {
       for (int o = 0; o < O; ++o) out[r * ldo + o] = scales[o] * (_mm512_reduce_add_ps(acc[r][o]) - xq.offset[first + r]);
+    }
+  }
+#elif defined(CEILING_AVX2)
+  // One group (32 weights) at a time. maddubs would saturate on w + 128 (up to 255·127·2), so the
+  // weights go back to signed w and the sign trick makes the unsigned operand |w| ≤ 128: Σ |w|·(x·sgn w).
+  // No 128·Σq to take off, then: `offset` is not used.
+  const __m256i unbias = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[R][O];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < O; ++o) acc[r][o] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const int64_t c = g / 2, h = g % 2;
+    for (int o = 0; o < O; ++o) {
+      const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + o * k + g * kGroup)), unbias);
+      const __m256i magnitude = _mm256_sign_epi8(w, w);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (first + r) * chunks + c;
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.codes.data() + at * 64 + h * 32));
+        const __m256 x_scale = _mm256_loadu_ps(xq.scales.data() + at * 16 + h * 8);
+        acc[r][o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(magnitude, _mm256_sign_epi8(x, w))), x_scale, acc[r][o]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if constexpr (O == 4) {
+      _mm_storeu_ps(out + r * ldo, _mm_mul_ps(_mm_loadu_ps(scales), reduce_4(acc[r][0], acc[r][1], acc[r][2], acc[r][3])));
+    } else {
+      for (int o = 0; o < O; ++o) out[r * ldo + o] = scales[o] * reduce_add(acc[r][o]);
     }
   }
 #else
@@ -441,13 +547,86 @@ void attend_64(const float* q, const float* keys, const float* values, int64_t s
 }
 #endif
 
+#if defined(CEILING_AVX2) && !defined(CEILING_AVX512)
+// e^x for 8 floats (x ≤ 0 here), as the AVX-512 exp_ps: Taylor to f^7, then 2^n built in the exponent bits.
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));  // n ≥ -126 below: 2^n stays a normal float
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln2 split in two for exactness
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), f);
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 720));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
+}
+
+// attend_one_kv_head for heads of 64 and G query heads per KV head, 8 lanes at a time: a head is
+// 8 vectors, too many to keep G of them in 16 registers, so the (scaled) queries are read from L1.
+template <int G>
+void attend_64(const float* q, const float* keys, const float* values, int64_t stride, const int64_t* slots,
+               int64_t seen, float scale, float* scores, int64_t ld_scores, float* out) {
+  alignas(32) float scaled[G * 64];
+  for (int64_t i = 0; i < G * 64; ++i) scaled[i] = q[i] * scale;
+  for (int64_t t = 0; t < seen; ++t) {
+    const float* key = keys + slots[t] * stride;
+    __m256 k[8];
+    for (int i = 0; i < 8; ++i) k[i] = _mm256_loadu_ps(key + i * 8);
+    for (int64_t h = 0; h < G; ++h) {
+      const float* head = scaled + h * 64;
+      __m256 a = _mm256_mul_ps(_mm256_load_ps(head), k[0]), b = _mm256_mul_ps(_mm256_load_ps(head + 8), k[1]);
+      for (int i = 2; i < 8; i += 2) {
+        a = _mm256_fmadd_ps(_mm256_load_ps(head + i * 8), k[i], a);
+        b = _mm256_fmadd_ps(_mm256_load_ps(head + i * 8 + 8), k[i + 1], b);
+      }
+      scores[h * ld_scores + t] = reduce_add(_mm256_add_ps(a, b));
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    float* score = scores + h * ld_scores;
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= seen; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(score + t));
+    float largest = -INFINITY;
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top);
+    for (float lane : lanes) largest = std::max(largest, lane);
+    for (; t < seen; ++t) largest = std::max(largest, score[t]);
+    const __m256 shift = _mm256_set1_ps(largest);
+    __m256 sums = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= seen; t += 8) {
+      const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(score + t), shift));
+      _mm256_storeu_ps(score + t, e);
+      sums = _mm256_add_ps(sums, e);
+    }
+    float total = reduce_add(sums);
+    for (; t < seen; ++t) total += (score[t] = std::exp(score[t] - largest));
+    const float inverse = 1.f / total;
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (t = 0; t < seen; ++t) {
+      const float* value = values + slots[t] * stride;
+      const __m256 w = _mm256_set1_ps(score[t] * inverse);
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + i * 8), acc[i]);
+    }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + h * 64 + i * 8, acc[i]);
+  }
+}
+#endif
+
 // The `group` query heads that share one KV head, over one row's `seen` positions: scores (scaled
 // dot products), their softmax, and the weighted sum of the values into out[group, dim]. `keys`
 // and `values` point at this KV head's first dimension of slot 0; a slot's row is `stride` floats.
 void attend_one_kv_head(const float* q, const float* keys, const float* values, int64_t stride, const int64_t* slots,
                         int64_t seen, int64_t group, int64_t dim, float scale, float* scores, int64_t ld_scores,
                         float* out) {
-#ifdef CEILING_AVX512
+#if defined(CEILING_AVX512) || defined(CEILING_AVX2)
   if (dim == 64 && group <= 4) {  // SmolLM2's and most small models' heads
     switch (group) {
       case 1: return attend_64<1>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
