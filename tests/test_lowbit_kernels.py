@@ -157,6 +157,38 @@ def test_a_built_library_is_reused_and_a_failed_build_says_why(tmp_path, monkeyp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
 
 
+# The paths lowbit.cpp has besides the one -march=native takes here: AVX-512 VNNI, AVX2, plain loops.
+# Each CPU runs its own above; these rebuild it without the wider instructions and rerun the
+# product and attention tests on that library, in a process of its own (one library per process
+# can own the ceiling:: namespace).
+NARROWER_PATHS = {"avx2": ("-mno-avx512f",), "plain loops": ("-mno-avx512f", "-mno-avx2")}
+
+
+@pytest.mark.parametrize("path", sorted(NARROWER_PATHS))
+def test_the_narrower_instruction_paths_compute_the_same_products(path, tmp_path):
+    if path == "avx2" and not ("avx512f" in kernels._cpu_flags() and "avx2" in kernels._cpu_flags()):
+        pytest.skip("the native build is the AVX2 path on this CPU (no AVX-512), or it has no AVX2")
+    library = kernels.build(tmp_path, NARROWER_PATHS[path])
+    script = (
+        "import django; django.setup()\n"
+        "import torch\n"
+        f"torch.ops.load_library({str(library)!r})\n"
+        "from tests import test_lowbit_kernels as products, test_paged_attention as attention\n"
+        "for in_features in (32, 96, 576):\n"
+        "    for rows in (1, 2, 9):\n"
+        "        products.test_the_4_bit_kernel_computes_the_quantized_product(in_features, rows)\n"
+        "for in_features, rows in ((576, 1), (608, 5)):\n"
+        "    products.test_the_int8_kernel_computes_the_quantized_product(in_features, rows)\n"
+        "for shape in ((1, 300, 9, 3), (4, 77, 9, 3), (2, 40, 16, 2)):\n"
+        "    attention.test_the_kernel_computes_the_gathered_attention(*shape)\n"
+        "print('all equal')\n"
+    )
+    finished = subprocess.run([sys.executable, "-c", script], cwd=REPOSITORY, capture_output=True, text=True,
+                              timeout=300, env=os.environ | {"DJANGO_SETTINGS_MODULE": "project.settings"})
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert "all equal" in finished.stdout
+
+
 def test_an_engine_where_the_kernels_cannot_build_serves_q4_on_torchs(tmp_path):
     """In a process of its own: a load's outcome is kept for the process's life."""
     script = (

@@ -70,12 +70,16 @@ def load(cache_dir: Path | None = None) -> str | None:
         return _state["failure"]
 
 
-def build(cache_dir: Path) -> Path:
-    """The compiled library for this machine, compiled now if the cache folder lacks it."""
+def build(cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The compiled library for this machine, compiled now if the cache folder lacks it.
+
+    `extra_flags` go after -march=native: the tests build with `-mno-avx512f` or `-mno-avx2` to
+    run the instruction-set paths this CPU would not take by itself.
+    """
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if compiler is None:
         raise KernelBuildError("no C++ compiler (g++ or c++) on the PATH")
-    command = _command(compiler)
+    command = _command(compiler, extra_flags)
     target = cache_dir / f"lowbit-{_fingerprint(compiler, command)}.so"
     if target.exists():
         return target
@@ -94,13 +98,13 @@ def build(cache_dir: Path) -> Path:
     return target
 
 
-def _command(compiler: str) -> list[str]:
+def _command(compiler: str, extra_flags: tuple[str, ...] = ()) -> list[str]:
     from torch.utils import cpp_extension
 
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
     libraries = [f"-L{path}" for path in cpp_extension.library_paths()]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    return [compiler, *FLAGS, abi, *includes, str(SOURCE), *libraries, "-lc10", "-ltorch_cpu"]
+    return [compiler, *FLAGS, *extra_flags, abi, *includes, str(SOURCE), *libraries, "-lc10", "-ltorch_cpu"]
 
 
 def _fingerprint(compiler: str, command: list[str]) -> str:
