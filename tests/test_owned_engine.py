@@ -10,6 +10,7 @@ from inference.engine import GREEDY, Engine, EngineConfig, EngineError, Sampling
 from inference.engine.owned.blocks import BlockManager
 from inference.engine.owned.manager import OwnedManager
 from inference.engine.owned.runner import unsupported_reason
+from inference.engine.owned.scheduler import PREFILL_AGING_S, Scheduler
 from inference.engine.owned.sequence import Sequence
 from inference.engines import model_dir
 from tests.conftest import wait_for
@@ -110,6 +111,28 @@ def test_blocks_are_reserved_for_the_whole_answer_and_a_request_that_does_not_fi
     assert not blocks.allocate(_sequence(list(range(10)), max_new=4))  # needs 2, one is free
     blocks.release(big)
     assert blocks.used == 0
+
+
+def test_prompt_chunks_go_shortest_first_until_a_long_prompt_has_waited_its_aging_time():
+    now = [100.0]
+    scheduler = Scheduler(BlockManager(num_blocks=64, page_size=8, prefix_sharing=False), max_batch_tokens=64,
+                          clock=lambda: now[0])
+    long, short, shorter = (_sequence(list(range(n)), request_id=name) for n, name in ((100, "long"), (30, "short"), (10, "shorter")))
+    for seq in (long, short, shorter):
+        scheduler.add(seq)
+    plan = scheduler.schedule()
+    # The two short prompts whole, then what is left of the budget on the long one.
+    assert [(c.seq.request_id, c.start, c.end) for c in plan.prefill] == [("shorter", 0, 10), ("short", 0, 30), ("long", 0, 24)]
+    long.computed = 24  # 76 left: a short prompt arriving now still goes first
+    late = _sequence(list(range(40)), request_id="late")
+    now[0] += 1.0
+    scheduler.add(late)
+    short.computed, shorter.computed = 30, 10  # both in decode now: one row each
+    plan = scheduler.schedule()
+    assert [c.seq.request_id for c in plan.prefill] == ["late", "long"] and len(plan.decode) == 2
+    now[0] += PREFILL_AGING_S - 0.5  # the long prompt has waited its aging time (late has not): it goes first
+    plan = scheduler.schedule()
+    assert [(c.seq.request_id, c.start, c.end) for c in plan.prefill] == [("long", 24, 86)]
 
 
 def test_prefix_blocks_are_shared_revived_from_the_free_list_and_never_the_last_prompt_block():

@@ -664,9 +664,11 @@ void attend_one_kv_head(const float* q, const float* keys, const float* values, 
 }
 
 #ifndef ATTENTION_GRAIN
-#define ATTENTION_GRAIN 4096
+#define ATTENTION_GRAIN 1024
 #endif
-constexpr int64_t kAttentionGrain = ATTENTION_GRAIN;  // (row, KV head) positions per task
+// (row, KV head) positions per task. At 4096, four rows of 160 positions (12 tasks) ran on one thread:
+// 57 µs, against 34 at 1024 (2-core AMD EPYC, AVX2); a lone row of 150 stays on one (~15 µs).
+constexpr int64_t kAttentionGrain = ATTENTION_GRAIN;
 
 // One decode row's attention over its cached positions, read in place from the paged cache: the
 // slots of positions 0…length-1 come from the row's block table, so no keys or values are gathered

@@ -1,18 +1,26 @@
 """Which tokens the next step computes.
 
 Every step first carries each running request one token further (decode rows), then spends what is
-left of the step's token budget on prompt chunks, oldest request first (chunked prefill): a long
-prompt never stalls the answers already streaming, and a burst of new prompts is absorbed a budget
-at a time. Requests are admitted in arrival order when their blocks fit (blocks.py reserves them).
+left of the step's token budget on prompt chunks (chunked prefill): a long prompt never stalls the
+answers already streaming, and a burst of new prompts is absorbed a budget at a time. Requests are
+admitted in arrival order when their blocks fit (blocks.py reserves them).
+
+Prompt chunks go shortest remaining prompt first: in a burst, the short questions get their first
+token after a step or two instead of queueing behind every long prompt that arrived a moment
+earlier (shortest-job-first minimises the mean wait). A prompt that has waited PREFILL_AGING_S
+goes first whatever its length, oldest first, so a stream of short prompts never starves a long one.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from .blocks import BlockManager
 from .sequence import FINISHED, RUNNING, Sequence
+
+PREFILL_AGING_S = 2.0
 
 
 @dataclass
@@ -40,13 +48,15 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, clock=time.monotonic) -> None:
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
+        seq.arrived = self.clock()
         self.waiting.append(seq)
 
     def __bool__(self) -> bool:
@@ -56,14 +66,22 @@ class Scheduler:
         self._admit()
         plan = StepPlan(decode=[seq for seq in self.running if not seq.in_prefill][: self.max_batch_tokens])
         budget = self.max_batch_tokens - len(plan.decode)
-        for seq in self.running:
+        for seq in self._prefill_order():
             if budget <= 0:
                 break
-            if seq.in_prefill:
-                take = min(budget, len(seq.prompt) - seq.computed)
-                plan.prefill.append(PrefillChunk(seq, seq.computed, seq.computed + take))
-                budget -= take
+            take = min(budget, len(seq.prompt) - seq.computed)
+            plan.prefill.append(PrefillChunk(seq, seq.computed, seq.computed + take))
+            budget -= take
         return plan
+
+    def _prefill_order(self) -> list[Sequence]:
+        """Running requests still in their prompt: those waiting PREFILL_AGING_S or more first, oldest
+        first; then the rest by what is left of their prompt, shortest first (arrival breaks ties)."""
+        overdue_before = self.clock() - PREFILL_AGING_S
+        prefilling = [seq for seq in self.running if seq.in_prefill]
+        return sorted(prefilling, key=lambda seq: (seq.arrived > overdue_before,
+                                                   0 if seq.arrived <= overdue_before else len(seq.prompt) - seq.computed,
+                                                   seq.arrived))
 
     def finish(self, seq: Sequence) -> None:
         """Take a request out (it ended, was cancelled or failed) and free its blocks."""

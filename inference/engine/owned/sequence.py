@@ -29,6 +29,7 @@ class Sequence:
     sampling: Sampling = GREEDY
     generator: object = None  # a torch.Generator of its own when it samples (see sampler.py)
     logprobs: list = field(default_factory=list)  # one (logprob, top alternatives) per generated token, if asked
+    arrived: float = 0.0  # the scheduler's clock when the request was added (its prefill order ages with it)
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.generated)
