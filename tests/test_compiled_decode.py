@@ -104,15 +104,20 @@ def test_a_padded_row_writes_only_the_scratch_block(compiled_manager):
         compiled = runner.decode_steps[2](*decode_arguments(runner, [row], 2, *caches))
         eager = decode_step_function(runner)(*decode_arguments(runner, [row], 1, *copies))
     assert compiled.shape[0] == 2
-    assert torch.allclose(compiled[:1], eager, atol=1e-3, rtol=1e-3)
+    # fp32 through 30 layers of random (large) keys and values, fused differently by inductor: the
+    # logits agree to ~1e-4 of their scale (seen: 2.1e-3 at a largest |logit| of 26.6), not to 1e-3 flat.
+    tolerance = 2e-4 * float(eager.abs().max())
+    assert torch.allclose(compiled[:1], eager, atol=tolerance, rtol=1e-3)
     top_two = eager[0].topk(2).values
-    if top_two[0] - top_two[1] > 2e-3:  # a near tie may go either way within the tolerance above
+    if top_two[0] - top_two[1] > 2 * tolerance:  # a near tie may go either way within that tolerance
         assert int(compiled[0].argmax()) == int(eager.argmax())
     for after, before, expected in zip(caches[0], untouched, copies[0], strict=True):
         changed = (after != before).any(dim=(1, 2)).nonzero().flatten().tolist()
         assert set(changed) <= {written, scratch} and written in changed
-        # inductor fuses the rotary into one loop: the same values to float rounding, not bit for bit
-        assert torch.allclose(after[written], expected[written], atol=1e-4, rtol=1e-4)
+        # inductor fuses the norms and the rotary into its own loops: the same values to float rounding
+        # grown over the layers before (seen: 7e-5 at values up to 6 on an AVX2 machine), not bit for bit
+        scale = float(expected[written].abs().max())
+        assert torch.allclose(after[written], expected[written], atol=5e-5 * scale, rtol=1e-4)
 
 
 def test_a_shared_prefix_request_goes_through_the_graph(model, prompts):  # noqa: F811
