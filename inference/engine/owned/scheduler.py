@@ -78,10 +78,13 @@ class Scheduler:
         """Running requests still in their prompt: those waiting PREFILL_AGING_S or more first, oldest
         first; then the rest by what is left of their prompt, shortest first (arrival breaks ties)."""
         overdue_before = self.clock() - PREFILL_AGING_S
-        prefilling = [seq for seq in self.running if seq.in_prefill]
-        return sorted(prefilling, key=lambda seq: (seq.arrived > overdue_before,
-                                                   0 if seq.arrived <= overdue_before else len(seq.prompt) - seq.computed,
-                                                   seq.arrived))
+
+        def order(seq: Sequence) -> tuple[int, int, float]:
+            if seq.arrived <= overdue_before:
+                return (0, 0, seq.arrived)
+            return (1, len(seq.prompt) - seq.computed, seq.arrived)
+
+        return sorted((seq for seq in self.running if seq.in_prefill), key=order)
 
     def finish(self, seq: Sequence) -> None:
         """Take a request out (it ended, was cancelled or failed) and free its blocks."""
