@@ -4,11 +4,15 @@
     ...                                          # the model runs with decision.max_tokens
     settle(request_id, usage)                    # in a finally: always, exactly once
 
-The ledger row (TokenLog) is written before the Redis admission and marked `admitted` right after
-it, with the amounts reserved. A counter rebuilt from the ledger counts settled rows as used and
-admitted in-flight rows as reserved; rows still being admitted reserve for themselves once the
-counter is back. (The microseconds between the Redis reply and the `admitted` update are the one
-window a flush at that exact moment could miss; see docs/budgets.md.)
+The ledger row (TokenLog) is written before the Redis admission, already claiming the reservation
+the admission asks for (`admitted`, with the request granted in full): when the Lua call grants
+exactly that, as it does unless a cap is nearly reached, the row needs no second statement. Only a
+partial grant, a fallback or a refusal writes the row again. A counter rebuilt from the ledger
+counts settled rows as used and claimed in-flight rows as reserved, so one rebuilt between the
+INSERT and the Lua call holds this request already: the admit script takes it out before checking
+and puts it back only if it admits (counters.ADMIT_LUA), and a refusal releases whatever a counter
+rebuilt before its UPDATE took from the claim. Whether the Lua call granted a claimed row is its
+admitted marker in Redis (reconcile.fail_lost_request reads it for rows a crash left running).
 """
 
 from __future__ import annotations
@@ -403,9 +407,12 @@ def admit(request: AdmissionRequest, now: datetime | None = None) -> Decision:
         code, message, retry = refusal_text(ceilings[result.refused_index], result, now)
         if result.fallback_refusal is not None:
             message, retry = _fallback_refused_too(fallback, ceilings, result.fallback_refusal, message, retry, now)
-        return _refuse(row, code, message, retry)
+        decision = _refuse(row, code, message, retry)
+        _release_claim(row)
+        return decision
     served = fallback if result.fell_back else primary
-    _mark_admitted(row, result, served, requested=request.feature if result.fell_back else None)
+    if result.fell_back or not _granted_as_claimed(row, result):
+        _mark_admitted(row, result, served, requested=request.feature if result.fell_back else None)
     warning = ""
     if result.fullest_permille >= WARN_PERMILLE and result.fullest_index is not None:
         warning = nearing_text(ceilings[result.fullest_index], result, now)
@@ -440,6 +447,7 @@ def _reopen_row(row: TokenLog, primary: Candidate, team: Team | None) -> None:
         "price": primary.price,
         "team": team,
         "counter_keys": [c.spec.key for c in primary.ceilings],
+        "reserved_cost_micro_usd": _full_reservation(row.prompt_tokens, primary.max_tokens, primary.price)[1],
     }
     if all(getattr(row, name) == value for name, value in fields.items()):
         return
@@ -478,6 +486,32 @@ def _mark_admitted(row: TokenLog, result: AdmitResult, served: Candidate, reques
             TokenLog.objects.filter(pk=row.pk).update(**fields)
 
 
+def _full_reservation(prompt_tokens: int, max_tokens: int, price: ModelPrice | None) -> tuple[int, int]:
+    """(tokens, micro-dollars) the admit script reserves when it grants max_tokens in full: the
+    same sums as ADMIT_LUA's (cost rounded up to a whole micro-dollar)."""
+    price_in = price.input_per_million_micro_usd if price else 0
+    price_out = price.output_per_million_micro_usd if price else 0
+    return prompt_tokens + max_tokens, -(-(prompt_tokens * price_in + max_tokens * price_out) // 1_000_000)
+
+
+def _granted_as_claimed(row: TokenLog, result: AdmitResult) -> bool:
+    """Whether the script reserved exactly what the row has claimed since its INSERT."""
+    return (result.granted_tokens, result.reserved_tokens, result.reserved_cost_micro_usd) == (
+        row.max_tokens, row.reserved_tokens, row.reserved_cost_micro_usd
+    )
+
+
+def _release_claim(row: TokenLog) -> None:
+    """After a refusal's UPDATE: a counter rebuilt between the admit call (which took this request
+    out) and that UPDATE counted the row's claim; release it there, so counters = ledger. Nothing
+    holds it otherwise, and the script's HGETs cost microseconds. If Redis is away the counter
+    keeps the claim (it refuses a little early, never admits too much) until it is next rebuilt."""
+    try:
+        counter_store().release_held(row.request_id, row.counter_keys)
+    except redis.RedisError as exc:
+        log.warning("could not release the claim of refused request %s: %s", row.request_id, exc)
+
+
 def _fallback_refused_too(fallback: Candidate, ceilings: list[Ceiling], refusal: AdmitResult, message: str,
                           retry: int | None, now: datetime) -> tuple[str, int | None]:
     """The sentence names both features; retrying helps once either of the two caps resets."""
@@ -493,6 +527,9 @@ def _open_row(request, provider, price, ceilings, now, team=None) -> tuple[Token
     One INSERT, not get_or_create's SELECT + INSERT under a savepoint: a duplicate id is rare and the
     unique index decides it; every admission pays for the round trips and the ORM's query building.
     """
+    # Claimed as granted in full (see the module's docstring); _full_reservation is what the script
+    # reserves then, so most admissions never write the row again.
+    reserved_tokens, reserved_cost = _full_reservation(request.prompt_tokens, request.max_tokens, price)
     row = TokenLog(
         request_id=request.request_id,
         user=request.user,
@@ -507,6 +544,9 @@ def _open_row(request, provider, price, ceilings, now, team=None) -> tuple[Token
         status=TokenLog.Status.RUNNING,
         prompt_tokens=request.prompt_tokens,
         max_tokens=request.max_tokens,
+        admitted=True,
+        reserved_tokens=reserved_tokens,
+        reserved_cost_micro_usd=reserved_cost,
         counter_keys=[c.spec.key for c in ceilings],
         created_at=now,
         **(request.retrieval.ledger_fields() if request.retrieval else {}),
@@ -559,6 +599,7 @@ def _refuse(row: TokenLog, code: str, message: str, retry_after_s: int | None) -
         status=TokenLog.Status.REFUSED,
         refusal_code=code,
         error=message[:500],
+        admitted=False,  # its INSERT claimed it
         reserved_tokens=0,
         reserved_cost_micro_usd=0,
         max_tokens=0,
