@@ -25,11 +25,12 @@ from functools import lru_cache
 
 import redis
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
 from . import ledger_sql, ledger_writer, redis_clients, refcache
+from .batching import Batch
 from .counters import AdmitResult, CounterGroup, CounterSpec, CounterStore, Limits, Usage, Versions
 from .live import publish_on_commit
 from .models import (
@@ -669,8 +670,9 @@ def rebuild_counter(ceiling: Ceiling) -> None:
 def settle(row: TokenLog) -> bool:
     """Release a finished row's reservation and count what it really used. Idempotent.
 
-    On success the row is marked `counters_settled`; when Redis could not be reached it stays
-    unmarked and reconciliation settles it again later (a replay changes nothing).
+    On success the row is marked `counters_settled` (on PostgreSQL within SETTLED_MARKS_EVERY_S,
+    together with the process's other marks: see settled_marks); when Redis could not be reached it
+    stays unmarked and reconciliation settles it again later (a replay changes nothing).
     """
     return _settle_counters(row, count_as_used=True)
 
@@ -697,10 +699,44 @@ def _settle_counters(row: TokenLog, *, count_as_used: bool) -> bool:
         return False
     if ledger_writer.group_commit_applies():
         ledger_writer.writer.mark_settled_later(row.pk)  # if lost, reconciliation settles again: a no-op
+    elif _marks_can_wait():
+        settled_marks.add(row.pk)
     else:
         ledger_sql.update({"counters_settled": True}, {"id": row.pk, "counters_settled": False})
     row.counters_settled = True
     return first_time
+
+
+# The `counters_settled` marks of a process, written together: one UPDATE every
+# SETTLED_MARKS_EVERY_S for every request settled meanwhile, where one each was a statement and a
+# commit of every request's cycle. A mark only tells reconciliation not to settle the row again;
+# one lost with its process (or a failed UPDATE) makes reconciliation settle again, which changes
+# nothing in the counters (the settled marker) and writes the mark.
+SETTLED_MARKS_EVERY_S = 0.05
+SETTLED_MARKS_MAX = 1000
+
+
+def _marks_can_wait() -> bool:
+    """PostgreSQL, outside a caller's transaction (whose rollback could drop the row, and which may
+    read its own mark); SQLite takes one writer at a time, so a thread of its own gains nothing."""
+    return connection.vendor == "postgresql" and not connection.in_atomic_block
+
+
+def _write_settled_marks(row_ids: list[int]) -> None:
+    try:
+        ledger_sql.mark_settled(row_ids)
+    except DatabaseError:
+        connection.close()  # the next batch connects again (the database restarted, say)
+        raise
+
+
+def flush_settled_marks() -> None:
+    """Write this process's waiting `counters_settled` marks now (reconciliation, before it counts)."""
+    settled_marks.flush()
+
+
+settled_marks: Batch[int] = Batch("settled-marks", _write_settled_marks, SETTLED_MARKS_EVERY_S, SETTLED_MARKS_MAX,
+                                  on_thread_start=ledger_writer.use_own_connection)
 
 
 # --- sentences -----------------------------------------------------------------------------------

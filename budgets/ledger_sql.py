@@ -124,6 +124,23 @@ def update_returning(values: Mapping[str, object], where: Mapping[str, object]) 
 
 
 @lru_cache(maxsize=4)
+def _mark_settled_sql(vendor: str) -> str:
+    meta = TokenLog._meta
+    quote = _db().ops.quote_name
+    column = quote(meta.get_field("counters_settled").column)
+    return (f"UPDATE {quote(meta.db_table)} SET {column} = true "
+            f"WHERE {quote(meta.pk.column)} = ANY(%s) AND NOT {column}")
+
+
+def mark_settled(row_ids: list[int]) -> int:
+    """counters_settled on every row of row_ids, in one statement (PostgreSQL: an array parameter)."""
+    db = _db()
+    with _cursor(db) as cursor:
+        cursor.execute(_mark_settled_sql(db.vendor), [list(row_ids)])
+        return cursor.rowcount
+
+
+@lru_cache(maxsize=4)
 def _select_sql(vendor: str, names: tuple[str, ...], key: str) -> str:
     meta = TokenLog._meta
     quote = _db().ops.quote_name

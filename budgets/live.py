@@ -15,15 +15,12 @@ failed send always was), never a ledger row. flush() sends at once (process exit
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
-import threading
-import time
 
 from django.db import transaction
 
 from . import refcache
+from .batching import Batch
 from .models import Feature, TokenLog
 from .signals import ledger_rows_logged
 
@@ -67,7 +64,7 @@ def publish(request_id: str, row: TokenLog | None = None) -> None:
             return
     elif row.feature_id is not None and not TokenLog.feature.is_cached(row):
         row.feature = feature_by_id(row.feature_id)
-    batch.add(row, point_for(row, row.feature.name if row.feature_id else None))
+    batch.add((row, point_for(row, row.feature.name if row.feature_id else None)))
 
 
 def flush() -> None:
@@ -78,59 +75,6 @@ def flush() -> None:
 def feature_by_id(feature_id: int) -> Feature:
     """From this process's reference cache: a feature is renamed a few times a year, finished every request."""
     return refcache.cache.get("feature_by_id", ("feature",), feature_id, lambda: Feature.objects.get(pk=feature_id))
-
-
-class Batch:
-    """Rows waiting to be announced, and the thread that announces them every FLUSH_EVERY_S while
-    there are any (it sleeps on an event, not a timer, while the process is idle)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._rows: list[tuple[TokenLog, dict]] = []
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def add(self, row: TokenLog, point: dict) -> None:
-        with self._lock:
-            self._rows.append((row, point))
-            first = len(self._rows) == 1
-        if first:  # the flusher took everything before: wake it (later rows ride along)
-            self._ensure_flusher()
-            self._wake.set()
-
-    def flush(self) -> None:
-        while True:
-            with self._lock:
-                taken, self._rows = self._rows[:MAX_BATCH], self._rows[MAX_BATCH:]
-            if not taken:
-                return
-            _announce(taken)
-
-    def forget(self) -> None:
-        """In a forked child: the parent announces its own rows, and its flusher thread is not ours."""
-        self._lock = threading.Lock()
-        self._rows = []
-        self._wake = threading.Event()
-        self._thread = None
-
-    def _ensure_flusher(self) -> None:
-        if self._thread is not None:
-            return
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ledger-announcer", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait()
-            time.sleep(FLUSH_EVERY_S)  # what commits meanwhile shares this send
-            # Cleared before taking: a row added after this sets it again and gets a flush of its own.
-            self._wake.clear()
-            try:
-                self.flush()
-            except Exception:  # noqa: BLE001 - the flusher must outlive any one batch
-                log.exception("announcing settled ledger rows failed")
 
 
 def _announce(taken: list[tuple[TokenLog, dict]]) -> None:
@@ -147,6 +91,4 @@ def _name(receiver: object) -> str:
     return getattr(receiver, "__qualname__", None) or repr(receiver)
 
 
-batch = Batch()
-os.register_at_fork(after_in_child=batch.forget)
-atexit.register(flush)
+batch: Batch[tuple[TokenLog, dict]] = Batch("ledger-announcer", _announce, FLUSH_EVERY_S, MAX_BATCH)

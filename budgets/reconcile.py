@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from .actions import Usage, do_record_usage, do_requeue_unsent_alerts
 from .alerts import check_spend_forecasts
-from .guard import counter_store, release, settle
+from .guard import counter_store, flush_settled_marks, release, settle
 from .models import TokenLog
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ def fail_lost_request(row: TokenLog, error: str) -> bool:
         return False
     row.refresh_from_db()
     settle(row)
+    flush_settled_marks()  # a sweep is rare: its mark is written before it reports the row done
     return True
 
 
@@ -68,6 +69,7 @@ def close_unadmitted(row: TokenLog, error: str) -> bool:
         return False
     row.refresh_from_db()
     release(row)  # a no-op where nothing was reserved
+    flush_settled_marks()
     return True
 
 
@@ -93,6 +95,7 @@ def retry_unsettled(now=None) -> int:
     for row in timed_out.iterator():
         release(row)
         done += row.counters_settled
+    flush_settled_marks()
     return done
 
 

@@ -361,6 +361,7 @@ def _timed_child(step: Step, k: int, share: int, warmup: int, threads: int, read
     finally:
         writer.drain()  # the counters_settled marks queued without waiting
         live.flush()  # the metrics and dashboard points not yet sent (a forked child skips atexit)
+        guard.flush_settled_marks()  # and the counters_settled marks
         connections.close_all()
 
 
