@@ -99,8 +99,15 @@ def _update_sql(vendor: str, names: tuple[str, ...], where: tuple[str, ...], ret
 
 
 def _params(values: Mapping[str, object], db: BaseDatabaseWrapper) -> list:
+    prepares = _preparers(db.vendor, tuple(values))
+    return [prepare(value, db) for prepare, value in zip(prepares, values.values(), strict=True)]
+
+
+@lru_cache(maxsize=64)
+def _preparers(vendor: str, names: tuple[str, ...]) -> tuple[Callable, ...]:
+    """Each named field's _preparer, found once per statement shape rather than per value."""
     field = TokenLog._meta.get_field
-    return [field(name).get_db_prep_save(value, db) for name, value in values.items()]
+    return tuple(_preparer(field(name), vendor) for name in names)
 
 
 def update(values: Mapping[str, object], where: Mapping[str, object]) -> int:
