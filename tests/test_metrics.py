@@ -21,7 +21,7 @@ from budgets.models import Feature, TokenLog
 from inference.bus.stats import STATS_KEY_PREFIX, STATS_TTL_S
 from inference.engine import EngineStats
 from inference.metrics import clear_metrics, record_settled, record_settled_many
-from tests.conftest import session_cookie
+from tests.conftest import session_cookie, wait_for
 from tests.wsclient import chat, chat_frame
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -312,11 +312,16 @@ def test_a_websocket_chat_is_counted_by_the_live_stack(live_stack, alice):
     assert done["type"] == "done", frames
 
     assert _live_scrape(live_stack, None)[0] == 401
-    status, body = _live_scrape(live_stack, "test-metrics-token")
-    assert status == 200
-    families = {family.name: family for family in text_string_to_metric_families(body)}
-
     finished = {"feature": "metrics-e2e", "finished_reason": done["finish_reason"]}
+
+    def counted() -> dict | None:
+        # The worker that settled it sends its batch within budgets.live.FLUSH_EVERY_S of the commit.
+        status, body = _live_scrape(live_stack, "test-metrics-token")
+        assert status == 200
+        families = {family.name: family for family in text_string_to_metric_families(body)}
+        return families if value(families, "ceiling:request_success_total", **finished) else None
+
+    families = wait_for(counted, timeout=5)
     assert value(families, "ceiling:request_success_total", **finished) == 1
     assert value(families, "ceiling:prompt_tokens_total", feature="metrics-e2e") == done["usage"]["prompt_tokens"]
     assert value(families, "ceiling:generation_tokens_total", feature="metrics-e2e") == done["usage"]["completion_tokens"]
