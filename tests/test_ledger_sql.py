@@ -32,3 +32,28 @@ def test_update_values_are_prepared_as_the_fields_prepare_them(values):
     prepared = ledger_sql._params(values, connection)
 
     assert [(type(v), repr(v)) for v in prepared] == [(type(v), repr(v)) for v in expected]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_statements_reach_execute_wrappers_and_raise_djangos_errors(alice, chat_feature):
+    from django.db import IntegrityError
+    from django.utils import timezone
+
+    row = TokenLog(request_id="ledger-sql-once", user=alice, feature=chat_feature, model="m", prompt_tokens=1,
+                   max_tokens=1, counter_keys=[], created_at=timezone.now())
+    seen = []
+
+    def wrapper(execute, sql, params, many, context):
+        seen.append(sql.split()[0])
+        return execute(sql, params, many, context)
+
+    ledger_sql.insert(row)  # the connection's prepared cursor, no wrapper installed
+    with connection.execute_wrapper(wrapper):
+        assert ledger_sql.update({"status": "ok"}, {"id": row.pk}) == 1
+    assert seen == ["UPDATE"]
+
+    again = TokenLog(request_id="ledger-sql-once", user=alice, feature=chat_feature, model="m", prompt_tokens=1,
+                     max_tokens=1, counter_keys=[], created_at=timezone.now())
+    with pytest.raises(IntegrityError):  # Django's, which the guard reads as a duplicate request id
+        ledger_sql.insert(again)
+    assert ledger_sql.update({"status": "failed"}, {"id": row.pk}) == 1  # the cursor still serves
