@@ -24,12 +24,15 @@ Item = TypeVar("Item")
 
 class Batch(Generic[Item]):
     def __init__(self, name: str, send: Callable[[list[Item]], None], every_s: float, max_items: int,
-                 on_thread_start: Callable[[], None] | None = None) -> None:
+                 on_thread_start: Callable[[], None] | None = None, on_idle: Callable[[], None] | None = None,
+                 idle_s: float = 1.0) -> None:
         self.name = name
         self.send = send  # called with up to max_items at a time; what it raises is logged
         self.every_s = every_s
         self.max_items = max_items
         self.on_thread_start = on_thread_start
+        self.on_idle = on_idle  # in the thread, once nothing came for idle_s (hand a connection back)
+        self.idle_s = idle_s
         self.forget()
         os.register_at_fork(after_in_child=self.forget)
         atexit.register(self.flush)
@@ -61,6 +64,12 @@ class Batch(Generic[Item]):
             except Exception:  # noqa: BLE001 - one failed send must not stop the next
                 log.exception("%s: sending %d item(s) failed", self.name, len(taken))
 
+    def _call(self, hook: Callable[[], None]) -> None:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - the thread must outlive a failing hook
+            log.exception("%s: %s failed", self.name, getattr(hook, "__qualname__", hook))
+
     def _ensure_thread(self) -> None:
         with self._lock:
             if self._thread is None:
@@ -70,8 +79,13 @@ class Batch(Generic[Item]):
     def _run(self) -> None:
         if self.on_thread_start is not None:
             self.on_thread_start()
+        idle = False
         while True:
-            self._wake.wait()
+            if not self._wake.wait(None if idle or self.on_idle is None else self.idle_s):
+                self._call(self.on_idle)
+                idle = True
+                continue
+            idle = False
             time.sleep(self.every_s)  # what is added meanwhile shares this send
             # Cleared before taking: an item added after this sets it again and gets a send of its own.
             self._wake.clear()

@@ -735,8 +735,12 @@ def flush_settled_marks() -> None:
     settled_marks.flush()
 
 
-settled_marks: Batch[int] = Batch("settled-marks", _write_settled_marks, SETTLED_MARKS_EVERY_S, SETTLED_MARKS_MAX,
-                                  on_thread_start=ledger_writer.use_own_connection)
+settled_marks: Batch[int] = Batch(
+    "settled-marks", _write_settled_marks, SETTLED_MARKS_EVERY_S, SETTLED_MARKS_MAX,
+    # A connection of its own, outside the pool and closed after a second without marks, as the
+    # ledger writer's (budgets/ledger_writer.py): an idle process holds none.
+    on_thread_start=ledger_writer.use_own_connection, on_idle=lambda: connection.close(), idle_s=ledger_writer.IDLE_CLOSE_S,
+)
 
 
 # --- sentences -----------------------------------------------------------------------------------
