@@ -71,6 +71,24 @@ if #missing > 0 then
   for _, i in ipairs(missing) do reply[#reply + 1] = i end
   return reply
 end
+-- The ledger row claims this request's reservation from its INSERT on (before this call), so a
+-- counter rebuilt from the ledger since may already hold it. Take it out of every counter that
+-- does, so that the checks below see the other requests' reservations only: the grant puts it
+-- back, a refusal leaves it out. (The marker above rules out a reservation this script made.)
+local taken = {}
+for i = 1, n do
+  if not taken[KEYS[i]] then
+    taken[KEYS[i]] = true
+    local held = redis.call('HGET', KEYS[n + i], request_id)
+    if held then
+      local comma = string.find(held, ',')
+      redis.call('HDEL', KEYS[n + i], request_id)
+      incr(KEYS[i], 'rr', -1)
+      incr(KEYS[i], 'rt', 0 - tonumber(string.sub(held, 1, comma - 1)))
+      incr(KEYS[i], 'rc', 0 - tonumber(string.sub(held, comma + 1)))
+    end
+  end
+end
 local function limits(i)
   local base = COUNTERS_FROM + (i - 1) * 4
   return tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4])
@@ -185,6 +203,29 @@ for i = 1, n do
 end
 redis.call('SET', marker, 1, 'EX', tonumber(ARGV[1]))
 return 1
+"""
+
+# A refused request's reservation, wherever a counter rebuilt between its admit call and its
+# refusal's UPDATE took it from the ledger's claim: released, counted as nothing, no marker (a
+# refused request id never settles).
+RELEASE_LUA = """
+local function incr(key, field, amount)
+  if amount ~= 0 then redis.call('HINCRBY', key, field, string.format('%d', amount)) end
+end
+local n = #KEYS / 2
+local released = 0
+for i = 1, n do
+  local held = redis.call('HGET', KEYS[n + i], ARGV[1])
+  if held and redis.call('HEXISTS', KEYS[i], 'ok') == 1 then
+    local comma = string.find(held, ',')
+    redis.call('HDEL', KEYS[n + i], ARGV[1])
+    incr(KEYS[i], 'rr', -1)
+    incr(KEYS[i], 'rt', 0 - tonumber(string.sub(held, 1, comma - 1)))
+    incr(KEYS[i], 'rc', 0 - tonumber(string.sub(held, comma + 1)))
+    released = released + 1
+  end
+end
+return released
 """
 
 INSTALL_LUA = """
@@ -310,6 +351,7 @@ class CounterStore:
         self._admit = client.register_script(ADMIT_LUA)
         self._settle = client.register_script(SETTLE_LUA)
         self._install = client.register_script(INSTALL_LUA)
+        self._release = client.register_script(RELEASE_LUA)
 
     def admitted_marker(self, request_id: str) -> str:
         return f"{self.prefix}:admitted:{request_id}"
@@ -433,6 +475,18 @@ class CounterStore:
         if acks is not None and acks.short:
             raise NotReplicated(f"{acks} acknowledged the settlement")
         return bool(reply)
+
+    def release_held(self, request_id: str, keys: list[str]) -> int:
+        """Release what counters hold for a refused request (see RELEASE_LUA); how many held it."""
+        keys = [self.redis_key(key) for key in keys]
+        reply, _ = self._run(self._release, [*keys, *(in_flight_key(key) for key in keys)], [request_id],
+                             replicated=False)
+        return int(reply)
+
+    def admitted(self, request_id: str) -> bool:
+        """Whether an admit call granted this request (its marker, kept MARKER_TTL_S)."""
+        with cluster_errors_as_redis_errors():
+            return bool(self._routed(lambda: self.client.exists(self.admitted_marker(request_id))))
 
     def install(self, key: str, used: Usage, reserved: Usage, ttl_s: int,
                 in_flight: dict[str, tuple[int, int]] | None = None) -> bool:

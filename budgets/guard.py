@@ -4,11 +4,15 @@
     ...                                          # the model runs with decision.max_tokens
     settle(request_id, usage)                    # in a finally: always, exactly once
 
-The ledger row (TokenLog) is written before the Redis admission and marked `admitted` right after
-it, with the amounts reserved. A counter rebuilt from the ledger counts settled rows as used and
-admitted in-flight rows as reserved; rows still being admitted reserve for themselves once the
-counter is back. (The microseconds between the Redis reply and the `admitted` update are the one
-window a flush at that exact moment could miss; see docs/budgets.md.)
+The ledger row (TokenLog) is written before the Redis admission, already claiming the reservation
+the admission asks for (`admitted`, with the request granted in full): when the Lua call grants
+exactly that, as it does unless a cap is nearly reached, the row needs no second statement. Only a
+partial grant, a fallback or a refusal writes the row again. A counter rebuilt from the ledger
+counts settled rows as used and claimed in-flight rows as reserved, so one rebuilt between the
+INSERT and the Lua call holds this request already: the admit script takes it out before checking
+and puts it back only if it admits (counters.ADMIT_LUA), and a refusal releases whatever a counter
+rebuilt before its UPDATE took from the claim. Whether the Lua call granted a claimed row is its
+admitted marker in Redis (reconcile.fail_lost_request reads it for rows a crash left running).
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ from functools import lru_cache
 
 import redis
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
 from . import ledger_sql, ledger_writer, redis_clients, refcache
+from .batching import Batch
 from .counters import AdmitResult, CounterGroup, CounterSpec, CounterStore, Limits, Usage, Versions
 from .live import publish_on_commit
 from .models import (
@@ -403,9 +408,12 @@ def admit(request: AdmissionRequest, now: datetime | None = None) -> Decision:
         code, message, retry = refusal_text(ceilings[result.refused_index], result, now)
         if result.fallback_refusal is not None:
             message, retry = _fallback_refused_too(fallback, ceilings, result.fallback_refusal, message, retry, now)
-        return _refuse(row, code, message, retry)
+        decision = _refuse(row, code, message, retry)
+        _release_claim(row)
+        return decision
     served = fallback if result.fell_back else primary
-    _mark_admitted(row, result, served, requested=request.feature if result.fell_back else None)
+    if result.fell_back or not _granted_as_claimed(row, result):
+        _mark_admitted(row, result, served, requested=request.feature if result.fell_back else None)
     warning = ""
     if result.fullest_permille >= WARN_PERMILLE and result.fullest_index is not None:
         warning = nearing_text(ceilings[result.fullest_index], result, now)
@@ -440,6 +448,7 @@ def _reopen_row(row: TokenLog, primary: Candidate, team: Team | None) -> None:
         "price": primary.price,
         "team": team,
         "counter_keys": [c.spec.key for c in primary.ceilings],
+        "reserved_cost_micro_usd": _full_reservation(row.prompt_tokens, primary.max_tokens, primary.price)[1],
     }
     if all(getattr(row, name) == value for name, value in fields.items()):
         return
@@ -478,6 +487,32 @@ def _mark_admitted(row: TokenLog, result: AdmitResult, served: Candidate, reques
             TokenLog.objects.filter(pk=row.pk).update(**fields)
 
 
+def _full_reservation(prompt_tokens: int, max_tokens: int, price: ModelPrice | None) -> tuple[int, int]:
+    """(tokens, micro-dollars) the admit script reserves when it grants max_tokens in full: the
+    same sums as ADMIT_LUA's (cost rounded up to a whole micro-dollar)."""
+    price_in = price.input_per_million_micro_usd if price else 0
+    price_out = price.output_per_million_micro_usd if price else 0
+    return prompt_tokens + max_tokens, -(-(prompt_tokens * price_in + max_tokens * price_out) // 1_000_000)
+
+
+def _granted_as_claimed(row: TokenLog, result: AdmitResult) -> bool:
+    """Whether the script reserved exactly what the row has claimed since its INSERT."""
+    return (result.granted_tokens, result.reserved_tokens, result.reserved_cost_micro_usd) == (
+        row.max_tokens, row.reserved_tokens, row.reserved_cost_micro_usd
+    )
+
+
+def _release_claim(row: TokenLog) -> None:
+    """After a refusal's UPDATE: a counter rebuilt between the admit call (which took this request
+    out) and that UPDATE counted the row's claim; release it there, so counters = ledger. Nothing
+    holds it otherwise, and the script's HGETs cost microseconds. If Redis is away the counter
+    keeps the claim (it refuses a little early, never admits too much) until it is next rebuilt."""
+    try:
+        counter_store().release_held(row.request_id, row.counter_keys)
+    except redis.RedisError as exc:
+        log.warning("could not release the claim of refused request %s: %s", row.request_id, exc)
+
+
 def _fallback_refused_too(fallback: Candidate, ceilings: list[Ceiling], refusal: AdmitResult, message: str,
                           retry: int | None, now: datetime) -> tuple[str, int | None]:
     """The sentence names both features; retrying helps once either of the two caps resets."""
@@ -493,6 +528,9 @@ def _open_row(request, provider, price, ceilings, now, team=None) -> tuple[Token
     One INSERT, not get_or_create's SELECT + INSERT under a savepoint: a duplicate id is rare and the
     unique index decides it; every admission pays for the round trips and the ORM's query building.
     """
+    # Claimed as granted in full (see the module's docstring); _full_reservation is what the script
+    # reserves then, so most admissions never write the row again.
+    reserved_tokens, reserved_cost = _full_reservation(request.prompt_tokens, request.max_tokens, price)
     row = TokenLog(
         request_id=request.request_id,
         user=request.user,
@@ -507,6 +545,9 @@ def _open_row(request, provider, price, ceilings, now, team=None) -> tuple[Token
         status=TokenLog.Status.RUNNING,
         prompt_tokens=request.prompt_tokens,
         max_tokens=request.max_tokens,
+        admitted=True,
+        reserved_tokens=reserved_tokens,
+        reserved_cost_micro_usd=reserved_cost,
         counter_keys=[c.spec.key for c in ceilings],
         created_at=now,
         **(request.retrieval.ledger_fields() if request.retrieval else {}),
@@ -559,6 +600,7 @@ def _refuse(row: TokenLog, code: str, message: str, retry_after_s: int | None) -
         status=TokenLog.Status.REFUSED,
         refusal_code=code,
         error=message[:500],
+        admitted=False,  # its INSERT claimed it
         reserved_tokens=0,
         reserved_cost_micro_usd=0,
         max_tokens=0,
@@ -628,8 +670,9 @@ def rebuild_counter(ceiling: Ceiling) -> None:
 def settle(row: TokenLog) -> bool:
     """Release a finished row's reservation and count what it really used. Idempotent.
 
-    On success the row is marked `counters_settled`; when Redis could not be reached it stays
-    unmarked and reconciliation settles it again later (a replay changes nothing).
+    On success the row is marked `counters_settled` (on PostgreSQL within SETTLED_MARKS_EVERY_S,
+    together with the process's other marks: see settled_marks); when Redis could not be reached it
+    stays unmarked and reconciliation settles it again later (a replay changes nothing).
     """
     return _settle_counters(row, count_as_used=True)
 
@@ -656,10 +699,48 @@ def _settle_counters(row: TokenLog, *, count_as_used: bool) -> bool:
         return False
     if ledger_writer.group_commit_applies():
         ledger_writer.writer.mark_settled_later(row.pk)  # if lost, reconciliation settles again: a no-op
+    elif _marks_can_wait():
+        settled_marks.add(row.pk)
     else:
         ledger_sql.update({"counters_settled": True}, {"id": row.pk, "counters_settled": False})
     row.counters_settled = True
     return first_time
+
+
+# The `counters_settled` marks of a process, written together: one UPDATE every
+# SETTLED_MARKS_EVERY_S for every request settled meanwhile, where one each was a statement and a
+# commit of every request's cycle. A mark only tells reconciliation not to settle the row again;
+# one lost with its process (or a failed UPDATE) makes reconciliation settle again, which changes
+# nothing in the counters (the settled marker) and writes the mark.
+SETTLED_MARKS_EVERY_S = 0.05
+SETTLED_MARKS_MAX = 1000
+
+
+def _marks_can_wait() -> bool:
+    """PostgreSQL, outside a caller's transaction (whose rollback could drop the row, and which may
+    read its own mark); SQLite takes one writer at a time, so a thread of its own gains nothing."""
+    return connection.vendor == "postgresql" and not connection.in_atomic_block
+
+
+def _write_settled_marks(row_ids: list[int]) -> None:
+    try:
+        ledger_sql.mark_settled(row_ids)
+    except DatabaseError:
+        connection.close()  # the next batch connects again (the database restarted, say)
+        raise
+
+
+def flush_settled_marks() -> None:
+    """Write this process's waiting `counters_settled` marks now (reconciliation, before it counts)."""
+    settled_marks.flush()
+
+
+settled_marks: Batch[int] = Batch(
+    "settled-marks", _write_settled_marks, SETTLED_MARKS_EVERY_S, SETTLED_MARKS_MAX,
+    # A connection of its own, outside the pool and closed after a second without marks, as the
+    # ledger writer's (budgets/ledger_writer.py): an idle process holds none.
+    on_thread_start=ledger_writer.use_own_connection, on_idle=lambda: connection.close(), idle_s=ledger_writer.IDLE_CLOSE_S,
+)
 
 
 # --- sentences -----------------------------------------------------------------------------------

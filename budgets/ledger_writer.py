@@ -122,7 +122,7 @@ class LedgerWriter:
                 self._active -= 1
 
     def _run(self) -> None:
-        _use_own_connection()
+        use_own_connection()
         while True:
             try:
                 first = self._queue.get(timeout=IDLE_CLOSE_S)
@@ -180,8 +180,9 @@ def _write_together(batch: list[_Write]) -> None:
         TokenLog.objects.filter(pk__in=settled, counters_settled=False).update(counters_settled=True)
 
 
-def _use_own_connection() -> None:
-    """Give the writer thread a connection of its own, outside the pool and kept open.
+def use_own_connection() -> None:
+    """Give this thread (the writer's, budgets.guard's settled marks') a connection of its own,
+    outside the pool and kept open.
 
     From the pool it could deadlock: admissions hold pooled connections while they wait for the
     writer, and with the pool exhausted the writer would wait for one of theirs (tests with 48

@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from .actions import Usage, do_record_usage, do_requeue_unsent_alerts
 from .alerts import check_spend_forecasts
-from .guard import counter_store, release, settle
+from .guard import counter_store, flush_settled_marks, release, settle
 from .models import TokenLog
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,20 @@ def release_lost_requests(now=None) -> int:
 
 def fail_lost_request(row: TokenLog, error: str) -> bool:
     """Fail one request still running, with no answer tokens (a lost worker's are unknown to the
-    ledger), and free what the counters hold for it; False when something settled it first."""
-    if not row.admitted:
+    ledger), and free what the counters hold for it; False when something settled it first.
+
+    A row claims its admission from its INSERT on (budgets/guard.py); only the admit script's
+    marker in Redis says the claim was granted. Without it the request was never admitted, so never
+    dispatched: closed unadmitted. (Should Redis lose its data and a worker die with a request in
+    flight, that request is closed unadmitted too: the one case where the ledger may not count
+    a request that was served.)"""
+    if not row.admitted or not counter_store().admitted(row.request_id):
         return close_unadmitted(row, error)
     if not do_record_usage(row.request_id, status=TokenLog.Status.FAILED, usage=Usage(row.prompt_tokens, 0), error=error):
         return False
     row.refresh_from_db()
     settle(row)
+    flush_settled_marks()  # a sweep is rare: its mark is written before it reports the row done
     return True
 
 
@@ -49,19 +56,20 @@ ADMISSION_INTERRUPTED = "admission_interrupted"
 
 
 def close_unadmitted(row: TokenLog, error: str) -> bool:
-    """A row whose process died between opening it and the `admitted` mark: never admitted, so never
-    dispatched nor served. It is closed as refused (`admission_interrupted`), which the ledger does
+    """A row whose process died between opening it and the admit script's grant: never admitted, so
+    never dispatched nor served. It is closed as refused (`admission_interrupted`), which the ledger does
     not count, and whatever a counter may hold for it is released, which the counters do not count
     either, so a rebuild from the ledger and the counters agree. Closed as failed it would count as
     a request used that no counter ever counted."""
-    closed = TokenLog.objects.filter(pk=row.pk, status=TokenLog.Status.RUNNING, admitted=False).update(
-        status=TokenLog.Status.REFUSED, refusal_code=ADMISSION_INTERRUPTED,
+    closed = TokenLog.objects.filter(pk=row.pk, status=TokenLog.Status.RUNNING).update(
+        status=TokenLog.Status.REFUSED, refusal_code=ADMISSION_INTERRUPTED, admitted=False,
         error=f"the admission was interrupted: {error}"[:500], finished_at=timezone.now(),
     )
     if not closed:
         return False
     row.refresh_from_db()
     release(row)  # a no-op where nothing was reserved
+    flush_settled_marks()
     return True
 
 
@@ -87,6 +95,7 @@ def retry_unsettled(now=None) -> int:
     for row in timed_out.iterator():
         release(row)
         done += row.counters_settled
+    flush_settled_marks()
     return done
 
 

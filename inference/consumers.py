@@ -125,6 +125,11 @@ class DashboardConsumer(AsyncWebsocketConsumer):
         # Read-only feed: anything a client sends is ignored, never an error that could be abused.
         return
 
+    async def dashboard_points(self, event: dict) -> None:
+        # A process's batch of settled rows (budgets.live): each still reaches the page as its own point.
+        for point in event["points"]:
+            await self.dashboard_point(point)
+
     async def dashboard_point(self, event: dict) -> None:
         await self.send(text_data=json.dumps({**event, "type": "point"}))
 

@@ -2,8 +2,8 @@
 
 Web servers and workers are separate processes, several of each at scale, so a per-process
 prometheus_client registry would show each scrape one process's share. Instead every settled or
-refused request adds to counters in Redis (budgets.live.publish → record_settled: one script of
-HINCRBY/HINCRBYFLOAT), and GET /metrics renders those counters plus every worker's
+refused request adds to counters in Redis (budgets.live's batch → record_settled_many: one script
+of HINCRBY/HINCRBYFLOAT per batch), and GET /metrics renders those counters plus every worker's
 live engine stats (inference.bus.read_engine_stats) through a custom Collector.
 
 Layout in Redis: one hash per metric, KEY_PREFIX + name. A field is the JSON of [part, labels]:
@@ -35,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from budgets import live as budget_live
 from budgets.forecast import all_cost_caps, forecasts
 from budgets.models import TokenLog
 
@@ -107,7 +108,7 @@ def _field(part: str, labels: dict[str, str]) -> str:
     return json.dumps([part, labels], sort_keys=True, separators=(",", ":"))
 
 
-# --- recording: one pipeline per settled request ----------------------------------------------------
+# --- recording: one script per batch of settled requests --------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -192,22 +193,44 @@ def _add_script(client: redis.Redis):
 
 
 def record_settled(row: TokenLog) -> None:
-    """Add one settled or refused request to the shared counters. Never raises: the ledger and the
-    user's answer must not depend on metrics, so a failure is logged and the request goes uncounted."""
+    """Add one settled or refused request to the shared counters (record_settled_many of one)."""
+    record_settled_many([row])
+
+
+def record_settled_many(rows: list[TokenLog]) -> None:
+    """Add settled or refused requests to the shared counters, in one script call. Never raises: the
+    ledger and the user's answer must not depend on metrics, so a failure is logged and the
+    requests go uncounted."""
     try:
-        increments = increments_for(row)
-        if not increments:
+        totals = _summed(rows)
+        if not totals:
             return
-        # One script, so a scrape sees the whole request or none of it: one command to pack and one
-        # reply to parse, where a MULTI pipeline was ~10 of each on every settle's path.
+        # One script, so a scrape sees the whole batch or none of it; each (metric, field) once,
+        # however many requests of the batch add to it.
+        keys: list[str] = []
         args: list = []
-        for inc in increments:
-            args += [_field(inc.part, inc.labels), inc.amount, "f" if isinstance(inc.amount, float) else "i"]
-        _add_script(metrics_redis())(keys=[inc.spec.key for inc in increments], args=args)
+        for (key, part, labels), amount in totals.items():
+            keys.append(key)
+            args += [_field(part, dict(labels)), amount, "f" if isinstance(amount, float) else "i"]
+        _add_script(metrics_redis())(keys=keys, args=args)
     except redis.RedisError as exc:
-        log.warning("metrics: could not record request %s: %s", getattr(row, "request_id", "?"), exc)
+        log.warning("metrics: could not record %d request(s) (%s…): %s", len(rows), _ids(rows), exc)
     except Exception:  # noqa: BLE001 - see the docstring
-        log.exception("metrics: could not record request %s", getattr(row, "request_id", "?"))
+        log.exception("metrics: could not record %d request(s) (%s…)", len(rows), _ids(rows))
+
+
+def _summed(rows: list[TokenLog]) -> dict[tuple[str, str, tuple], int | float]:
+    """(metric key, part, labels) → the rows' increments added up; a float stays a float."""
+    totals: dict[tuple[str, str, tuple], int | float] = {}
+    for row in rows:
+        for inc in increments_for(row):
+            slot = (inc.spec.key, inc.part, tuple(sorted(inc.labels.items())))
+            totals[slot] = totals.get(slot, 0) + inc.amount
+    return totals
+
+
+def _ids(rows: list[TokenLog]) -> str:
+    return ", ".join(getattr(row, "request_id", "?") for row in rows[:3])
 
 
 def clear_metrics(client: redis.Redis | None = None) -> int:
@@ -321,6 +344,7 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
         response = HttpResponse("A valid bearer token is required.\n", status=401, content_type="text/plain")
         response["WWW-Authenticate"] = 'Bearer realm="metrics"'
         return response
+    budget_live.flush()  # this process's rows not yet announced count in this scrape
     try:
         body = generate_latest(REGISTRY)
     except redis.RedisError as exc:

@@ -25,10 +25,10 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from budgets import ledger_writer, refcache
+from budgets import guard, ledger_writer, refcache
 from budgets.guard import admit, counter_store, ledger_sums
 from budgets.models import ModelPrice, Provider, Quota, TagQuota, TokenLog
-from budgets.reconcile import release_lost_requests
+from budgets.reconcile import fail_lost_request, release_lost_requests
 from project import stack
 from tests.conftest import _test_database_url
 from tests.test_guard import clean_counters, request  # noqa: F401 (a fixture)
@@ -224,14 +224,15 @@ def test_without_redis_the_cache_reads_the_database_every_time(alice):
 
 def test_a_warm_admission_alone_reads_no_reference_row_and_writes_its_row_itself(alice, chat_feature, priced):
     """Once warm, an admission's reference rows come from the cache; alone in its process (the
-    writer idle), it writes its row on its own connection: no thread hop for a commit it would not share."""
+    writer idle), it writes its row on its own connection: no thread hop for a commit it would not
+    share. Granted in full, as claimed by its INSERT, the row is written once."""
     from django.test.utils import CaptureQueriesContext
 
     admit(request(alice, chat_feature))
     with CaptureQueriesContext(connection) as queries:
         decision = admit(request(alice, chat_feature))
     assert decision.admitted
-    assert [q["sql"].split()[0] for q in queries.captured_queries] == ["INSERT", "UPDATE"]
+    assert [q["sql"].split()[0] for q in queries.captured_queries] == ["INSERT"]
     assert committed_elsewhere(decision.request_id)[:2] == ("running", True)
 
 
@@ -295,7 +296,7 @@ def _insert_through_writer(row: TokenLog) -> str:
         return type(exc).__name__
 
 
-CRASH_AFTER_RESERVING = textwrap.dedent("""
+CRASH_MID_ADMISSION = textwrap.dedent("""
     import os, signal, django
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
     django.setup()
@@ -308,35 +309,170 @@ CRASH_AFTER_RESERVING = textwrap.dedent("""
     now = timezone.now()
     primary = guard.candidate(req, feature, None, "test-model", 10, now)
     row, _ = guard._open_row(req, primary.provider, primary.price, primary.ceilings, now)
-    result = guard._admit_with_rebuild(req, primary, None)
-    assert result.status == "ok", result
-    print("reserved", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)  # before the admitted mark is committed
+    if {reserve!r}:
+        result = guard._admit_with_rebuild(req, primary, None)
+        assert result.status == "ok", result
+    print("killed", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # admit() never returns
 """)
 
 
-def test_a_process_killed_after_reserving_leaves_a_row_whose_reservation_is_released(alice, chat_feature):
-    """The crash window group commit widens: the Redis reservation is made, the `admitted` mark
-    never reaches the ledger. The row is there (it was committed before the reservation), and
-    reconciliation frees what the counters hold for it."""
-    Quota.objects.create(user=alice, period="day", max_requests=100)
-    request_id = "killed-after-reserving"
+def _killed_mid_admission(request_id: str, *, reserve: bool) -> TokenLog:
+    """A process that wrote the row (claiming its reservation) and, with reserve, also had the admit
+    script grant it, then died before admit() returned: its row as the ledger holds it."""
     env = stack.child_env(DATABASE_URL=_test_database_url(), REDIS_URL=settings.REDIS_URL)
-    done = subprocess.run([sys.executable, "-c", CRASH_AFTER_RESERVING.format(request_id=request_id)],
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == -signal.SIGKILL and "reserved" in done.stdout, done.stderr
-
+    script = CRASH_MID_ADMISSION.format(request_id=request_id, reserve=reserve)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL and "killed" in done.stdout, done.stderr
     row = TokenLog.objects.get(request_id=request_id)
-    assert (row.status, row.admitted) == ("running", False)
-    [user_day] = [k for k in row.counter_keys if ":user:" in k and ":day:" in k]
-    assert counter_store().state(user_day).reserved.requests == 1
+    assert (row.status, row.admitted) == ("running", True)  # claimed by its INSERT
+    return row
+
+
+def _user_day(row: TokenLog) -> str:
+    [key] = [k for k in row.counter_keys if ":user:" in k and ":day:" in k]
+    return key
+
+
+def test_a_process_killed_after_reserving_leaves_a_row_that_is_failed_and_settled(alice, chat_feature):
+    """The admit script granted the claim (its marker says so), so admit() may have returned and the
+    request been served: reconciliation fails it as used (the prompt), and settles the counters
+    to what the ledger then counts."""
+    Quota.objects.create(user=alice, period="day", max_requests=100)
+    row = _killed_mid_admission("killed-after-reserving", reserve=True)
+    assert counter_store().state(_user_day(row)).reserved.requests == 1
 
     assert release_lost_requests(now=timezone.now() + timedelta(hours=1)) == 1
 
-    state = counter_store().state(user_day)
-    assert state.reserved.requests == 0
-    # Never admitted, so never served: closed as refused, which neither the ledger nor the counters count.
-    row = TokenLog.objects.get(request_id=request_id)
-    assert (row.status, row.refusal_code) == ("refused", "admission_interrupted")
+    state = counter_store().state(_user_day(row))
+    row.refresh_from_db()
+    assert (row.status, row.prompt_tokens, row.counters_settled) == ("failed", 10, True)
     used, reserved = ledger_sums({"user_id": alice.pk})
-    assert (used.requests, reserved.requests) == (state.used.requests, 0)
+    assert (used, reserved) == (state.used, state.reserved)
+    assert (used.requests, reserved.requests) == (1, 0)
+
+
+@pytest.mark.parametrize("rebuilt_meanwhile", [False, True])
+def test_a_process_killed_between_its_insert_and_the_admit_script_leaves_a_row_closed_unadmitted(
+    alice, chat_feature, rebuilt_meanwhile
+):
+    """No marker: the script never granted the claim, so nothing was dispatched. Closed as refused
+    (admission_interrupted), which neither the ledger nor the counters count; a counter rebuilt from
+    the ledger in the meantime took the claim as a reservation, and releases it."""
+    Quota.objects.create(user=alice, period="day", max_requests=100)
+    assert admit(request(alice, chat_feature)).admitted  # the counter exists
+    row = _killed_mid_admission("killed-before-reserving", reserve=False)
+    if rebuilt_meanwhile:
+        counter_store().client.delete(_user_day(row))
+        assert admit(request(alice, chat_feature)).admitted  # rebuilds it, with the dead row's claim
+        assert "killed-before-reserving" in counter_store().held(_user_day(row))
+
+    assert fail_lost_request(row, "its process died")  # what the sweeps do with each row they find
+
+    row.refresh_from_db()
+    assert (row.status, row.refusal_code, row.admitted) == ("refused", "admission_interrupted", False)
+    state = counter_store().state(_user_day(row))
+    assert "killed-before-reserving" not in counter_store().held(_user_day(row))
+    used, reserved = ledger_sums({"user_id": alice.pk})
+    assert (used, reserved) == (state.used, state.reserved)
+    assert reserved.requests == (2 if rebuilt_meanwhile else 1)
+
+
+# --- the row claims its reservation from its INSERT on ---------------------------------------------
+
+
+def _admission_parts(user, feature, max_tokens: int = 10):
+    """What admit() does first: the request, its candidate and its row, claimed as granted in full."""
+    req = request(user, feature, max_tokens=max_tokens)
+    now = timezone.now()
+    primary = guard.candidate(req, feature, None, "test-model", max_tokens, now)
+    row, created = guard._open_row(req, primary.provider, primary.price, primary.ceilings, now)
+    assert created and row.admitted
+    return req, primary, row
+
+
+def _rebuild(primary, scope: str = "user", period: str = "day") -> str:
+    """Another process finds the counter gone (Redis flushed, a new day) and rebuilds it from the ledger."""
+    [ceiling] = [c for c in primary.ceilings if c.scope == scope and c.period == period]
+    counter_store().client.delete(ceiling.spec.key)
+    guard.rebuild_counter(ceiling)
+    return ceiling.spec.key
+
+
+def _counter_is_the_ledger(key: str, user) -> None:
+    state = counter_store().state(key)
+    used, reserved = ledger_sums({"user_id": user.pk})
+    assert (state.used, state.reserved) == (used, reserved)
+    in_flight = set(TokenLog.objects.filter(status="running", admitted=True).values_list("request_id", flat=True))
+    assert set(counter_store().held(key)) == in_flight
+
+
+def test_a_counter_rebuilt_before_each_admission_admits_exactly_the_cap(alice, chat_feature):
+    """Each admission finds its counter gone, so it rebuilds it after its INSERT: the rebuilt
+    counter holds the admission's own claim, which the script takes out before checking."""
+    Quota.objects.create(user=alice, period="day", max_requests=3, max_tokens=1_000)
+    decisions = []
+    for _ in range(6):
+        for key in counter_store().client.scan_iter(match="ceiling:c:user:*"):
+            counter_store().client.delete(key)
+        decisions.append(admit(request(alice, chat_feature)))
+
+    assert [d.admitted for d in decisions] == [True] * 3 + [False] * 3
+    assert {d.code for d in decisions[3:]} == {"user_requests_per_day"}
+    [key] = [k for k in decisions[0].log.counter_keys if ":user:" in k and ":day:" in k]
+    _counter_is_the_ledger(key, alice)
+    assert counter_store().state(key).reserved.tokens == 3 * 20  # each request once, not twice
+
+
+def test_a_counter_rebuilt_between_the_insert_and_the_admit_script_counts_the_request_once(alice, chat_feature):
+    Quota.objects.create(user=alice, period="day", max_requests=2)
+    assert admit(request(alice, chat_feature)).admitted
+    req, primary, row = _admission_parts(alice, chat_feature)
+    key = _rebuild(primary)  # holds both claims: the admitted request's and this one's
+    assert counter_store().state(key).reserved.requests == 2
+
+    result = guard._admit_with_rebuild(req, primary, None)
+
+    assert result.status == "ok" and guard._granted_as_claimed(row, result)  # no second statement
+    _counter_is_the_ledger(key, alice)
+    assert not admit(request(alice, chat_feature)).admitted  # the cap of 2 holds
+
+
+def test_a_refusal_releases_a_claim_that_a_counter_rebuilt_before_its_update_took(alice, chat_feature):
+    """Between the script's refusal and the refusal's UPDATE the row still claims a reservation: a
+    counter rebuilt in that moment holds it, and the refusal releases it there."""
+    Quota.objects.create(user=alice, period="day", max_requests=1)
+    assert admit(request(alice, chat_feature)).admitted
+    req, primary, row = _admission_parts(alice, chat_feature)
+    result = guard._admit_with_rebuild(req, primary, None)
+    assert result.status == "refused"
+    key = _rebuild(primary)
+    assert row.request_id in counter_store().held(key)
+
+    guard._refuse(row, "user_requests_per_day", "full", None)
+    guard._release_claim(row)
+
+    row.refresh_from_db()
+    assert (row.status, row.admitted, row.reserved_tokens) == ("refused", False, 0)
+    _counter_is_the_ledger(key, alice)
+
+
+def test_a_partial_grant_writes_what_was_reserved_over_the_claim(alice, chat_feature):
+    Quota.objects.create(user=alice, period="day", max_tokens=100)
+    decision = admit(request(alice, chat_feature, max_tokens=500))  # claims 510 tokens; 100 fit
+
+    assert decision.admitted and decision.max_tokens == 90
+    row = TokenLog.objects.get(request_id=decision.request_id)
+    assert (row.max_tokens, row.reserved_tokens) == (90, 100)
+    [key] = [k for k in row.counter_keys if ":user:" in k and ":day:" in k]
+    assert counter_store().held(key) == {row.request_id: (100, 0)}
+    _counter_is_the_ledger(key, alice)
+
+
+def test_a_refused_admission_leaves_no_claim_in_the_ledger(alice, chat_feature):
+    Quota.objects.create(user=alice, period="day", max_requests=0)
+    decision = admit(request(alice, chat_feature))
+
+    assert not decision.admitted and decision.code == "user_requests_per_day"
+    row = TokenLog.objects.get(request_id=decision.request_id)
+    assert (row.status, row.admitted, row.reserved_tokens, row.reserved_cost_micro_usd) == ("refused", False, 0, 0)

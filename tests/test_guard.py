@@ -356,6 +356,47 @@ def test_a_settle_that_could_not_reach_redis_is_retried_by_reconciliation(alice,
     assert retry_unsettled(now=row.finished_at + timedelta(minutes=2)) == 0
 
 
+def test_settled_marks_are_written_together_shortly_after_the_settles(alice, chat_feature):
+    from budgets import guard
+
+    Quota.objects.create(period="day", max_requests=10)
+    rows = []
+    for _ in range(3):
+        decision = admit(request(alice, chat_feature))
+        rows.append(do_record_usage(decision.request_id, status=TokenLog.Status.OK, usage=Usage(10, 4)))
+    for row in rows:
+        assert settle(row) is True and row.counters_settled
+
+    # No flush: the process's thread writes them, in one UPDATE, within SETTLED_MARKS_EVERY_S.
+    deadline = time.monotonic() + 5
+    while TokenLog.objects.filter(pk__in=[r.pk for r in rows], counters_settled=True).count() < 3:
+        assert time.monotonic() < deadline, "the settled marks were never written"
+        time.sleep(guard.SETTLED_MARKS_EVERY_S)
+
+
+def test_settled_marks_lost_with_their_process_are_written_by_reconciliation(alice, chat_feature):
+    """A process that dies holding marks loses them; the counters were settled, so reconciliation
+    settles again (no change: the settled marker) and writes the mark."""
+    from budgets import guard
+    from budgets.reconcile import retry_unsettled
+
+    Quota.objects.create(period="day", max_requests=10)
+    decision = admit(request(alice, chat_feature))
+    row = do_record_usage(decision.request_id, status=TokenLog.Status.OK, usage=Usage(10, 4))
+    assert settle(row) is True
+    guard.flush_settled_marks()
+    # What a process killed before its batch was written leaves: counters settled, the row unmarked.
+    TokenLog.objects.filter(pk=row.pk).update(counters_settled=False)
+    before, _ = counter_and_ledger(alice, chat_feature)
+    assert not TokenLog.objects.get(pk=row.pk).counters_settled
+
+    assert retry_unsettled(now=row.finished_at + timedelta(minutes=1)) == 1
+
+    after, (used, reserved) = counter_and_ledger(alice, chat_feature)
+    assert after == before and (after.used, after.reserved) == (used, reserved)
+    assert TokenLog.objects.get(pk=row.pk).counters_settled
+
+
 def test_an_admission_whose_reply_was_lost_is_released(alice, chat_feature):
     """The admit script ran but the reply timed out: the row says guard_unavailable, Redis holds a
     reservation. Reconciliation releases it without counting anything as used."""

@@ -20,8 +20,8 @@ from budgets.actions import do_log_refusal
 from budgets.models import Feature, TokenLog
 from inference.bus.stats import STATS_KEY_PREFIX, STATS_TTL_S
 from inference.engine import EngineStats
-from inference.metrics import clear_metrics, record_settled
-from tests.conftest import session_cookie
+from inference.metrics import clear_metrics, record_settled, record_settled_many
+from tests.conftest import session_cookie, wait_for
 from tests.wsclient import chat, chat_frame
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -138,6 +138,37 @@ def test_counters_add_up_by_feature_and_finished_reason(metrics_token, chat_feat
     assert value(families, "ceiling:time_to_first_token_seconds_count", feature="chat") == 2
 
 
+def test_a_batch_of_rows_adds_what_the_rows_one_by_one_add(metrics_token, chat_feature, summary_feature):
+    # budgets.live announces rows in batches; each (metric, field) is added once, summed over the batch.
+    def row(feature, **fields):
+        now = timezone.now()
+        made = TokenLog.objects.create(request_id=uuid.uuid4().hex, feature=feature, model="m", created_at=now,
+                                       finished_at=now, **fields)
+        return TokenLog.objects.select_related("feature").get(pk=made.pk)
+
+    rows = [
+        row(chat_feature, status=TokenLog.Status.OK, finish_reason="stop", prompt_tokens=9, completion_tokens=11,
+            ttft_ms=200, total_ms=1200, cost_micro_usd=7),
+        row(chat_feature, status=TokenLog.Status.OK, finish_reason="stop", prompt_tokens=1, completion_tokens=2,
+            ttft_ms=250, total_ms=300, cost_micro_usd=5),
+        row(summary_feature, status=TokenLog.Status.OK, finish_reason="length", prompt_tokens=4, completion_tokens=6),
+        row(chat_feature, status=TokenLog.Status.REFUSED, refusal_code="user_tokens_per_day"),
+        row(chat_feature, status=TokenLog.Status.RUNNING, prompt_tokens=100),  # not counted
+    ]
+    record_settled_many(rows)
+
+    families = scrape()
+    assert value(families, "ceiling:prompt_tokens_total", feature="chat") == 10
+    assert value(families, "ceiling:generation_tokens_total", feature="chat") == 13
+    assert value(families, "ceiling:cost_micro_usd_total", feature="chat") == 12
+    assert value(families, "ceiling:request_success_total", feature="chat", finished_reason="stop") == 2
+    assert value(families, "ceiling:request_success_total", feature="summary", finished_reason="length") == 1
+    assert value(families, "ceiling:requests_refused_total", code="user_tokens_per_day") == 1
+    assert value(families, "ceiling:time_to_first_token_seconds_count", feature="chat") == 2
+    assert value(families, "ceiling:time_to_first_token_seconds_sum", feature="chat") == pytest.approx(0.45)
+    assert value(families, "ceiling:time_to_first_token_seconds_bucket", feature="chat", le="0.25") == 2
+
+
 def test_refusals_are_counted_by_code_and_nowhere_else(metrics_token, chat_feature):
     settled(chat_feature, TokenLog.Status.REFUSED, refusal_code="user_tokens_per_day", prompt_tokens=100)
     settled(chat_feature, TokenLog.Status.REFUSED, refusal_code="user_tokens_per_day", prompt_tokens=100)
@@ -226,7 +257,7 @@ def test_recording_never_raises_when_redis_is_unreachable(metrics_token, setting
         settled(chat_feature, finish_reason="stop", prompt_tokens=4, completion_tokens=3)
         response = Client().get("/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
 
-    assert "could not record request" in caplog.text
+    assert "could not record 1 request(s)" in caplog.text
     assert response.status_code == 503
 
 
@@ -281,11 +312,16 @@ def test_a_websocket_chat_is_counted_by_the_live_stack(live_stack, alice):
     assert done["type"] == "done", frames
 
     assert _live_scrape(live_stack, None)[0] == 401
-    status, body = _live_scrape(live_stack, "test-metrics-token")
-    assert status == 200
-    families = {family.name: family for family in text_string_to_metric_families(body)}
-
     finished = {"feature": "metrics-e2e", "finished_reason": done["finish_reason"]}
+
+    def counted() -> dict | None:
+        # The worker that settled it sends its batch within budgets.live.FLUSH_EVERY_S of the commit.
+        status, body = _live_scrape(live_stack, "test-metrics-token")
+        assert status == 200
+        families = {family.name: family for family in text_string_to_metric_families(body)}
+        return families if value(families, "ceiling:request_success_total", **finished) else None
+
+    families = wait_for(counted, timeout=5)
     assert value(families, "ceiling:request_success_total", **finished) == 1
     assert value(families, "ceiling:prompt_tokens_total", feature="metrics-e2e") == done["usage"]["prompt_tokens"]
     assert value(families, "ceiling:generation_tokens_total", feature="metrics-e2e") == done["usage"]["completion_tokens"]

@@ -37,7 +37,7 @@ from django.utils import timezone
 from accounts.actions import do_create_api_key
 from accounts.management.database import DatabaseCommand
 from accounts.models import ApiKey
-from budgets import guard
+from budgets import guard, live
 from budgets.actions import Usage as LedgerUsage
 from budgets.actions import do_record_usage
 from budgets.counters import CounterSpec, CounterStore, Limits, Usage
@@ -360,6 +360,8 @@ def _timed_child(step: Step, k: int, share: int, warmup: int, threads: int, read
         results.put(f"{type(exc).__name__}: {exc}")
     finally:
         writer.drain()  # the counters_settled marks queued without waiting
+        live.flush()  # the metrics and dashboard points not yet sent (a forked child skips atexit)
+        guard.flush_settled_marks()  # and the counters_settled marks
         connections.close_all()
 
 

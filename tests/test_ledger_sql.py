@@ -1,0 +1,59 @@
+"""budgets/ledger_sql.py prepares each value as the field's own get_db_prep_save would (the column
+then holds what Model.save() writes), with the common cases written out for speed."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import pytest
+from django.db import connection
+
+from budgets import ledger_sql
+from budgets.models import TokenLog
+
+VALUES = [
+    {"status": "ok", "prompt_tokens": 5, "completion_tokens": 0, "cached_tokens": 0, "cost_micro_usd": 10**12,
+     "finish_reason": "", "error": "x" * 500, "ttft_ms": None, "total_ms": 12,
+     "finished_at": datetime(2026, 12, 6, 9, 0, tzinfo=UTC)},
+    {"counters_settled": True, "admitted": False, "reserved_tokens": 20, "reserved_cost_micro_usd": 0},
+    {"id": 7, "request_id": "a-request", "counter_keys": ["ceiling:c:user:1:all:day:20261206"], "tags": ""},
+    {"counter_keys": [], "tags": None, "finish_reason": None, "ttft_ms": Decimal("3")},
+]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("values", VALUES)
+def test_update_values_are_prepared_as_the_fields_prepare_them(values):
+    connection.ensure_connection()
+    field = TokenLog._meta.get_field
+    expected = [field(name).get_db_prep_save(value, connection) for name, value in values.items()]
+
+    prepared = ledger_sql._params(values, connection)
+
+    assert [(type(v), repr(v)) for v in prepared] == [(type(v), repr(v)) for v in expected]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_statements_reach_execute_wrappers_and_raise_djangos_errors(alice, chat_feature):
+    from django.db import IntegrityError
+    from django.utils import timezone
+
+    row = TokenLog(request_id="ledger-sql-once", user=alice, feature=chat_feature, model="m", prompt_tokens=1,
+                   max_tokens=1, counter_keys=[], created_at=timezone.now())
+    seen = []
+
+    def wrapper(execute, sql, params, many, context):
+        seen.append(sql.split()[0])
+        return execute(sql, params, many, context)
+
+    ledger_sql.insert(row)  # the connection's prepared cursor, no wrapper installed
+    with connection.execute_wrapper(wrapper):
+        assert ledger_sql.update({"status": "ok"}, {"id": row.pk}) == 1
+    assert seen == ["UPDATE"]
+
+    again = TokenLog(request_id="ledger-sql-once", user=alice, feature=chat_feature, model="m", prompt_tokens=1,
+                     max_tokens=1, counter_keys=[], created_at=timezone.now())
+    with pytest.raises(IntegrityError):  # Django's, which the guard reads as a duplicate request id
+        ledger_sql.insert(again)
+    assert ledger_sql.update({"status": "failed"}, {"id": row.pk}) == 1  # the cursor still serves
