@@ -33,12 +33,27 @@ from .redis_clients import cluster_errors_as_redis_errors, node_client, refresh_
 # releases (and counts as used) only requests in its own in-flight hash: a counter rebuilt from the
 # ledger after a request was settled there already counts it as used, and must not count it twice.
 
-ADMIT_LUA = """
+# The functions every script below that touches reservations starts with.
+COMMON_LUA = """
 -- Lua turns -0 into "-0", which HINCRBY rejects; format integers explicitly and skip zeros.
 local function incr(key, field, amount)
   if amount ~= 0 then redis.call('HINCRBY', key, field, string.format('%d', amount)) end
 end
-local v = tonumber(ARGV[12])  -- version keys of the reference rows, after the marker
+-- Take the request's reservation ("tokens,cost" in the in-flight hash) out of a counter that holds
+-- it; true when it held one.
+local function release_held(counter, in_flight, request_id)
+  local held = redis.call('HGET', in_flight, request_id)
+  if not held then return false end
+  local comma = string.find(held, ',')
+  redis.call('HDEL', in_flight, request_id)
+  incr(counter, 'rr', -1)
+  incr(counter, 'rt', 0 - tonumber(string.sub(held, 1, comma - 1)))
+  incr(counter, 'rc', 0 - tonumber(string.sub(held, comma + 1)))
+  return true
+end
+"""
+
+ADMIT_LUA = COMMON_LUA + """local v = tonumber(ARGV[12])  -- version keys of the reference rows, after the marker
 local n = (#KEYS - 1 - v) / 2
 local marker = KEYS[2 * n + 1]
 local marker_ttl = tonumber(ARGV[1])
@@ -79,14 +94,7 @@ local taken = {}
 for i = 1, n do
   if not taken[KEYS[i]] then
     taken[KEYS[i]] = true
-    local held = redis.call('HGET', KEYS[n + i], request_id)
-    if held then
-      local comma = string.find(held, ',')
-      redis.call('HDEL', KEYS[n + i], request_id)
-      incr(KEYS[i], 'rr', -1)
-      incr(KEYS[i], 'rt', 0 - tonumber(string.sub(held, 1, comma - 1)))
-      incr(KEYS[i], 'rc', 0 - tonumber(string.sub(held, comma + 1)))
-    end
+    release_held(KEYS[i], KEYS[n + i], request_id)
   end
 end
 local function limits(i)
@@ -172,10 +180,7 @@ end
 return reply
 """
 
-SETTLE_LUA = """
-local function incr(key, field, amount)
-  if amount ~= 0 then redis.call('HINCRBY', key, field, string.format('%d', amount)) end
-end
+SETTLE_LUA = COMMON_LUA + """
 local n = (#KEYS - 1) / 2
 local marker = KEYS[#KEYS]
 if redis.call('EXISTS', marker) == 1 then return 0 end
@@ -183,17 +188,9 @@ local request_id = ARGV[2]
 local used_tokens, used_cost = tonumber(ARGV[3]), tonumber(ARGV[4])
 local count_as_used = ARGV[5] == '1'
 for i = 1, n do
-  local held = redis.call('HGET', KEYS[n + i], request_id)
   -- Only a counter that holds this request's reservation releases it; one rebuilt from the
   -- ledger since then already counts the request from the ledger.
-  if held and redis.call('HEXISTS', KEYS[i], 'ok') == 1 then
-    local comma = string.find(held, ',')
-    local reserved_tokens = tonumber(string.sub(held, 1, comma - 1))
-    local reserved_cost = tonumber(string.sub(held, comma + 1))
-    redis.call('HDEL', KEYS[n + i], request_id)
-    incr(KEYS[i], 'rr', -1)
-    incr(KEYS[i], 'rt', 0 - reserved_tokens)
-    incr(KEYS[i], 'rc', 0 - reserved_cost)
+  if redis.call('HEXISTS', KEYS[i], 'ok') == 1 and release_held(KEYS[i], KEYS[n + i], request_id) then
     if count_as_used then
       incr(KEYS[i], 'ur', 1)
       incr(KEYS[i], 'ut', used_tokens)
@@ -208,20 +205,11 @@ return 1
 # A refused request's reservation, wherever a counter rebuilt between its admit call and its
 # refusal's UPDATE took it from the ledger's claim: released, counted as nothing, no marker (a
 # refused request id never settles).
-RELEASE_LUA = """
-local function incr(key, field, amount)
-  if amount ~= 0 then redis.call('HINCRBY', key, field, string.format('%d', amount)) end
-end
+RELEASE_LUA = COMMON_LUA + """
 local n = #KEYS / 2
 local released = 0
 for i = 1, n do
-  local held = redis.call('HGET', KEYS[n + i], ARGV[1])
-  if held and redis.call('HEXISTS', KEYS[i], 'ok') == 1 then
-    local comma = string.find(held, ',')
-    redis.call('HDEL', KEYS[n + i], ARGV[1])
-    incr(KEYS[i], 'rr', -1)
-    incr(KEYS[i], 'rt', 0 - tonumber(string.sub(held, 1, comma - 1)))
-    incr(KEYS[i], 'rc', 0 - tonumber(string.sub(held, comma + 1)))
+  if redis.call('HEXISTS', KEYS[i], 'ok') == 1 and release_held(KEYS[i], KEYS[n + i], ARGV[1]) then
     released = released + 1
   end
 end
