@@ -471,22 +471,23 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 
 
+// e^x (x ≤ 0 here: scores minus their maximum) as x = n·ln2 + f, e^f by its Taylor polynomial to
+// f^7 (|f| ≤ ln2/2: relative error < 2e-7, about an fp32 ulp), times 2^n. The AVX-512 and AVX2
+// exp_ps below share these numbers; only the vector width and how 2^n is applied differ.
+constexpr float kExpFloor = -87.f;  // e^-87 is already below fp32's normal range (and 2^n stays normal)
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693145751953125f, kLn2Low = 1.428606765330187e-06f;  // ln2 split in two for exactness
+constexpr float kExpTaylor[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};  // f^7 … f^0
+
 #ifdef CEILING_AVX512
-// e^x for 16 floats (x ≤ 0 here: scores minus their maximum): x = n·ln2 + f, e^f by its Taylor
-// polynomial to f^7 (|f| ≤ ln2/2: relative error < 2e-7, about an fp32 ulp), times 2^n by vscalefps.
+// e^x for 16 floats; 2^n by vscalefps.
 inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // e^-87 is already below fp32's normal range
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 split in two for exactness
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), f);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpFloor));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), f);
+  __m512 p = _mm512_set1_ps(kExpTaylor[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpTaylor[i]));
   return _mm512_scalef_ps(p, n);
 }
 #endif
@@ -549,21 +550,14 @@ void attend_64(const float* q, const float* keys, const float* values, int64_t s
 #endif
 
 #if defined(CEILING_AVX2) && !defined(CEILING_AVX512)
-// e^x for 8 floats (x ≤ 0 here), as the AVX-512 exp_ps: Taylor to f^7, then 2^n built in the exponent bits.
+// e^x for 8 floats; 2^n built in the exponent bits (n ≥ -126 after the floor: a normal float).
 inline __m256 exp_ps(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));  // n ≥ -126 below: 2^n stays a normal float
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln2 split in two for exactness
-  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), f);
-  __m256 p = _mm256_set1_ps(1.f / 5040);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 720));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(kExpFloor));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), f);
+  __m256 p = _mm256_set1_ps(kExpTaylor[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpTaylor[i]));
   const __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
 }
