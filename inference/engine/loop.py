@@ -391,7 +391,7 @@ class Engine:
         running, waiting = scheduler_counts(self.manager)
         used, total = kv_block_usage(self.manager, self.config.num_blocks)
         tokens_per_s, busy_tokens_per_s = self._rates()
-        report = self.compile_report()
+        report, stack = self.compile_report(), self.stack_report()
         self._peak_tokens_per_s = max(self._peak_tokens_per_s, busy_tokens_per_s)
         return EngineStats(
             model=self.config.model_dir.name,
@@ -414,12 +414,18 @@ class Engine:
             loop=self.loop,
             compiled_decode_state=report.state if report else "",
             compiled_decode=report.describe() if report else "",
+            decode_stack_state=stack.state if stack else "",
+            decode_stack=stack.describe() if stack else "",
         )
 
     def compile_report(self):
         """The compiled decode steps' CompileReport (owned loop with compile_buckets), else None."""
         compiler = getattr(self.manager, "compiler", None)
         return compiler.report if compiler is not None else None
+
+    def stack_report(self):
+        """Whether decode steps run in one C++ call (the owned loop's stack.StackReport), else None."""
+        return getattr(self.manager, "stack_report", None)
 
     def wait_for_compile(self, timeout: float) -> bool:
         """Block until every decode bucket's compile is decided (True at once when nothing compiles)."""

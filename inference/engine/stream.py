@@ -49,6 +49,8 @@ class EngineStats:
     # else compiling | used | slower | failed, and the sentence that says what was measured.
     compiled_decode_state: str = ""
     compiled_decode: str = ""
+    decode_stack_state: str = ""  # used | slower | unavailable (owned loop), "" for transformers' loop
+    decode_stack: str = ""
     updated_at: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict:

@@ -193,6 +193,8 @@ def run_engine(model_dir: Path, requests: list[BenchRequest], threads: int = 2, 
         engine.stop()
     report = engine.compile_report()
     compiled = {} if report is None else {"compiled_decode": report.as_dict()}
+    stack = engine.stack_report()
+    compiled |= {} if stack is None else {"decode_stack": stack.as_dict()}
     extra = sampler.figures() | lone | compiled | {"skinny_buckets": engine.skinny_buckets, "loop": engine.loop,
                                         "quantization": engine.config.quantization, "q4_max_rows": engine.q4_max_rows,
                                         "q4_kernels": engine.kernels,

@@ -25,6 +25,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -665,6 +666,27 @@ void attend_one_kv_head(const float* q, const float* keys, const float* values, 
 // 57 µs, against 34 at 1024 (2-core AMD EPYC, AVX2); a lone row of 150 stays on one (~15 µs).
 constexpr int64_t kAttentionGrain = ATTENTION_GRAIN;
 
+// Every row's attention, one task per (row, KV head), over slots checked by the caller. A row's
+// query heads start `q_row_stride` floats after the previous row's (the stack reads them in place
+// in its fused q|k|v output); `slots` holds `positions` per row, of which row r reads length[r].
+void attend_rows(const float* query, int64_t q_row_stride, const float* keys, const float* values, int64_t kv_heads,
+                 int64_t heads, int64_t dim, const int64_t* slot, int64_t positions, const int64_t* length,
+                 int64_t rows, float* result) {
+  const int64_t group = heads / kv_heads;
+  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
+  // Threads only for enough positions to pay for waking them: a lone row's few hundred take ~10 µs.
+  const int64_t grain = std::max<int64_t>(1, kAttentionGrain / std::max<int64_t>(1, positions));
+  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * positions);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, g = task % kv_heads;
+      attend_one_kv_head(query + r * q_row_stride + g * group * dim, keys + g * dim, values + g * dim, kv_heads * dim,
+                         slot + r * positions, length[r], group, dim, scale, scores.data(), positions,
+                         result + r * heads * dim + g * group * dim);
+    }
+  });
+}
+
 // One decode row's attention over its cached positions, read in place from the paged cache: the
 // slots of positions 0…length-1 come from the row's block table, so no keys or values are gathered
 // into a tensor first (a gather of every layer's K and V per step, then scaled_dot_product_attention
@@ -685,15 +707,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                   lengths.dim() == 1 && lengths.size(0) == rows && lengths.scalar_type() == at::kLong &&
                   lengths.is_contiguous(),
               "decode_attention: slots must be a contiguous [rows, positions] int64 tensor, lengths [rows] int64");
-  const int64_t positions = slots.size(1), group = heads / kv_heads, cache_slots = k_cache.size(0);
+  const int64_t positions = slots.size(1), cache_slots = k_cache.size(0);
   at::Tensor out = at::empty({rows, heads * dim}, q.options());
-  const float* query = q.data_ptr<float>();
-  const float* keys = k_cache.data_ptr<float>();
-  const float* values = v_cache.data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t* length = lengths.data_ptr<int64_t>();
-  float* result = out.data_ptr<float>();
-  const float scale = 1.f / std::sqrt(static_cast<float>(dim));
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(length[r] >= 1 && length[r] <= positions, "decode_attention: row ", r, " sees ", length[r],
                 " positions, its slots hold ", positions);
@@ -701,19 +718,251 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       TORCH_CHECK(slot[r * positions + t] >= 0 && slot[r * positions + t] < cache_slots,
                   "decode_attention: a slot past the cache's ", cache_slots);
   }
-  // Threads only for enough positions to pay for waking them: a lone row's few hundred take ~10 µs.
-  const int64_t grain = std::max<int64_t>(1, kAttentionGrain / std::max<int64_t>(1, positions));
-  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * positions);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / kv_heads, g = task % kv_heads;
-      attend_one_kv_head(query + (r * heads + g * group) * dim, keys + g * dim, values + g * dim, kv_heads * dim,
-                         slot + r * positions, length[r], group, dim, scale, scores.data(), positions,
-                         result + r * heads * dim + g * group * dim);
-    }
-  });
+  attend_rows(q.data_ptr<float>(), heads * dim, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), kv_heads,
+              heads, dim, slot, positions, length, rows, out.data_ptr<float>());
   return out;
 }
+
+// --- A whole decode step in one call ---------------------------------------------------------------
+//
+// A lone decode step through SmolLM2's 30 layers is ~150 kernel calls. Run as a compiled graph
+// (inductor) the arithmetic took ~5 ms of a ~7.4 ms step on a 2-core EPYC and the rest went to
+// calling: dynamo's entry, Python between the custom ops, and inductor's own small loops, each an
+// OpenMP fork and join. DecodeStack holds every layer's weights and caches once and runs the
+// whole step in C++: the norms, rotary, cache writes and activation are loops over a few thousand
+// floats on the calling thread, and threads wake only for the products and the attention, as in
+// llama.cpp. It serves the decode steps of engines whose block linears are all 4-bit on these
+// kernels with an fp32 cache (inference/engine/owned/stack.py); the lm_head stays in Python, where
+// its own routing lives.
+
+// out = x · rsqrt(mean(x²) + eps) · weight, per row of `width` floats (transformers' LlamaRMSNorm).
+void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t width, float eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * width;
+    float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < width; ++i) squares += row[i] * row[i];
+    const float inverse = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
+    float* normed = out + r * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) normed[i] = row[i] * inverse * weight[i];
+  }
+}
+
+// Rotary embedding in place on `count` heads of `dim` (transformers' layout: the halves of each
+// head rotate together): x·cos + rotate_half(x)·sin, rotate_half(x) = (-x₂, x₁).
+void rotate_heads(float* heads, int64_t count, int64_t dim, const float* cos, const float* sin) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < count; ++h) {
+    float* x = heads + h * dim;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float first = x[i], second = x[i + half];
+      x[i] = first * cos[i] - second * sin[i];
+      x[i + half] = second * cos[i + half] + first * sin[i + half];
+    }
+  }
+}
+
+// out[i] = silu(gate[i]) · up[i], silu(g) = g · σ(g). σ from e^-|g| (an argument ≤ 0, the range
+// exp_ps serves): σ(g) = 1 / (1 + e^-g) for g ≥ 0, else e^g / (1 + e^g).
+void silu_times(const float* gate, const float* up, int64_t count, float* out) {
+  int64_t i = 0;
+#if defined(CEILING_AVX512)
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; i + 16 <= count; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sigma = _mm512_div_ps(_mm512_mask_blend_ps(negative, one, e), _mm512_add_ps(one, e));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sigma), _mm512_loadu_ps(up + i)));
+  }
+#elif defined(CEILING_AVX2)
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  for (; i + 8 <= count; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = exp_ps(_mm256_or_ps(g, sign));  // -|g|
+    const __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 sigma = _mm256_div_ps(_mm256_blendv_ps(one, e, negative), _mm256_add_ps(one, e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigma), _mm256_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < count; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+// A 4-bit linear of the stack: codes, scales and an optional bias (empty when the layer has none).
+struct StackLinear {
+  at::Tensor codes, scales, bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor out = q4_linear(x, codes, scales);
+    if (bias.numel()) {
+      float* values = out.data_ptr<float>();
+      const float* b = bias.data_ptr<float>();
+      const int64_t n = out.size(1);
+      for (int64_t r = 0; r < out.size(0); ++r)
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) values[r * n + i] += b[i];
+    }
+    return out;
+  }
+};
+
+void add_into(float* target, const float* source, int64_t count) {
+#pragma omp simd
+  for (int64_t i = 0; i < count; ++i) target[i] += source[i];
+}
+
+struct StackLayer {
+  at::Tensor input_norm, post_norm;
+  StackLinear qkv, o, gate_up, down;
+  at::Tensor k_cache, v_cache;  // [slots, kv_heads, head_dim] fp32, shared with the runner
+};
+
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  DecodeStack(at::Tensor embed, at::Tensor cos, at::Tensor sin, at::Tensor final_norm, int64_t heads,
+              int64_t kv_heads, int64_t page_size, double eps)
+      : embed_(embed), cos_(cos), sin_(sin), final_norm_(final_norm), heads_(heads), kv_heads_(kv_heads),
+        page_(page_size), eps_(static_cast<float>(eps)) {
+    TORCH_CHECK(embed.dim() == 2 && embed.scalar_type() == at::kFloat && embed.is_contiguous(),
+                "DecodeStack: the embeddings must be a contiguous [vocab, hidden] float32 tensor");
+    TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.scalar_type() == at::kFloat &&
+                    sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+                "DecodeStack: cos and sin must be contiguous [positions, head_dim] float32 tables");
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && page_size > 0,
+                "DecodeStack: heads must be a multiple of kv_heads, the page size positive");
+    hidden_ = embed.size(1);
+    dim_ = cos.size(1);
+    TORCH_CHECK(dim_ % 2 == 0, "DecodeStack: head_dim must be even");
+    check_vector(final_norm, hidden_, "final_norm");
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor qkv_codes, at::Tensor qkv_scales,
+                 at::Tensor qkv_bias, at::Tensor o_codes, at::Tensor o_scales, at::Tensor gate_up_codes,
+                 at::Tensor gate_up_scales, at::Tensor down_codes, at::Tensor down_scales, at::Tensor k_cache,
+                 at::Tensor v_cache) {
+    const int64_t width = (heads_ + 2 * kv_heads_) * dim_;
+    check_vector(input_norm, hidden_, "input_norm");
+    check_vector(post_norm, hidden_, "post_norm");
+    TORCH_CHECK(qkv_codes.size(0) == width && qkv_codes.size(1) * 2 == hidden_,
+                "DecodeStack: q|k|v must map hidden to (heads + 2·kv_heads)·head_dim");
+    TORCH_CHECK(qkv_bias.numel() == 0 || (qkv_bias.numel() == width && qkv_bias.scalar_type() == at::kFloat &&
+                                          qkv_bias.is_contiguous()),
+                "DecodeStack: the q|k|v bias must be empty or [out] float32");
+    TORCH_CHECK(o_codes.size(0) == hidden_ && o_codes.size(1) * 2 == heads_ * dim_,
+                "DecodeStack: o must map heads·head_dim to hidden");
+    TORCH_CHECK(gate_up_codes.size(0) % 2 == 0 && gate_up_codes.size(1) * 2 == hidden_ &&
+                    down_codes.size(1) * 2 == gate_up_codes.size(0) / 2 && down_codes.size(0) == hidden_,
+                "DecodeStack: gate|up must map hidden to 2·intermediate, down intermediate to hidden");
+    TORCH_CHECK(k_cache.dim() == 3 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+                    v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat &&
+                    v_cache.is_contiguous() && k_cache.size(1) == kv_heads_ && k_cache.size(2) == dim_,
+                "DecodeStack: the caches must be contiguous [slots, kv_heads, head_dim] float32 tensors");
+    TORCH_CHECK(layers_.empty() || k_cache.size(0) == layers_.front().k_cache.size(0),
+                "DecodeStack: every layer's cache must hold the same slots");
+    const at::Tensor no_bias = at::empty({0}, embed_.options());  // only q|k|v carries one (Qwen2's)
+    layers_.push_back({input_norm, post_norm, {qkv_codes, qkv_scales, qkv_bias}, {o_codes, o_scales, no_bias},
+                       {gate_up_codes, gate_up_scales, no_bias}, {down_codes, down_scales, no_bias}, k_cache, v_cache});
+  }
+
+  // The decode step of rows r = 0…B-1: token tokens[r] at position lengths[r] - 1, its K and V
+  // written to that position's slot, attending over positions 0…lengths[r]-1 of its block table
+  // (block_tables[r], page_size slots per block). Returns the final-normed hidden states [B, hidden]
+  // (the lm_head's input).
+  at::Tensor step(at::Tensor tokens, at::Tensor lengths, at::Tensor block_tables) {
+    TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers added");
+    const int64_t rows = tokens.size(0);
+    TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() && rows > 0 &&
+                    lengths.dim() == 1 && lengths.size(0) == rows && lengths.scalar_type() == at::kLong &&
+                    lengths.is_contiguous() && block_tables.dim() == 2 && block_tables.size(0) == rows &&
+                    block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(),
+                "DecodeStack.step: tokens and lengths must be [rows] int64, block_tables [rows, blocks] int64");
+    const int64_t* length = lengths.data_ptr<int64_t>();
+    const int64_t* token = tokens.data_ptr<int64_t>();
+    const int64_t longest = *std::max_element(length, length + rows);
+    std::vector<int64_t> slots = read_slots(block_tables, length, rows, longest);
+
+    const int64_t hidden = hidden_, dim = dim_, q_width = heads_ * dim, kv_width = kv_heads_ * dim;
+    const int64_t qkv_width = q_width + 2 * kv_width;
+    const auto options = embed_.options();
+    at::Tensor state = at::empty({rows, hidden}, options), normed = at::empty({rows, hidden}, options);
+    at::Tensor attended = at::empty({rows, q_width}, options);
+    float* h = state.data_ptr<float>();
+    float* x = normed.data_ptr<float>();
+    const int64_t vocab = embed_.size(0);
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(token[r] >= 0 && token[r] < vocab, "DecodeStack.step: token ", token[r], " is not in the vocabulary");
+      std::copy_n(embed_.data_ptr<float>() + token[r] * hidden, hidden, h + r * hidden);
+    }
+    for (const StackLayer& layer : layers_) {
+      rms_norm_rows(h, layer.input_norm.data_ptr<float>(), rows, hidden, eps_, x);
+      at::Tensor qkv = layer.qkv(normed);
+      float* q = qkv.data_ptr<float>();
+      float* keys = layer.k_cache.data_ptr<float>();
+      float* values = layer.v_cache.data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r) {
+        float* row = q + r * qkv_width;
+        const int64_t position = length[r] - 1, slot = slots[r * longest + position];
+        rotate_heads(row, heads_ + kv_heads_, dim, cos_.data_ptr<float>() + position * dim,
+                     sin_.data_ptr<float>() + position * dim);
+        std::copy_n(row + q_width, kv_width, keys + slot * kv_width);
+        std::copy_n(row + q_width + kv_width, kv_width, values + slot * kv_width);
+      }
+      attend_rows(q, qkv_width, keys, values, kv_heads_, heads_, dim, slots.data(), longest, length, rows,
+                  attended.data_ptr<float>());
+      add_into(h, layer.o(attended).data_ptr<float>(), rows * hidden);
+      rms_norm_rows(h, layer.post_norm.data_ptr<float>(), rows, hidden, eps_, x);
+      at::Tensor gate_up = layer.gate_up(normed);
+      const int64_t intermediate = gate_up.size(1) / 2;
+      at::Tensor activated = at::empty({rows, intermediate}, options);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* both = gate_up.data_ptr<float>() + r * 2 * intermediate;
+        silu_times(both, both + intermediate, intermediate, activated.data_ptr<float>() + r * intermediate);
+      }
+      add_into(h, layer.down(activated).data_ptr<float>(), rows * hidden);
+    }
+    rms_norm_rows(h, final_norm_.data_ptr<float>(), rows, hidden, eps_, x);
+    return normed;
+  }
+
+ private:
+  static void check_vector(const at::Tensor& t, int64_t size, const char* name) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == size && t.scalar_type() == at::kFloat && t.is_contiguous(),
+                "DecodeStack: ", name, " must be a contiguous [", size, "] float32 tensor");
+  }
+
+  // Each row's cache slots of positions 0…longest-1 ([rows, longest]; past a row's length its
+  // first slot, never read), every block it reads checked to lie in the cache.
+  std::vector<int64_t> read_slots(const at::Tensor& block_tables, const int64_t* length, int64_t rows,
+                                  int64_t longest) const {
+    const int64_t width = block_tables.size(1), cache_slots = layers_.front().k_cache.size(0);
+    const int64_t* table = block_tables.data_ptr<int64_t>();
+    std::vector<int64_t> slots(rows * longest);
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(length[r] >= 1 && length[r] <= cos_.size(0), "DecodeStack.step: row ", r, " has length ",
+                  length[r], "; the rotary table holds ", cos_.size(0), " positions");
+      TORCH_CHECK((length[r] + page_ - 1) / page_ <= width, "DecodeStack.step: row ", r, "'s block table is ",
+                  width, " blocks, its length needs ", (length[r] + page_ - 1) / page_);
+      for (int64_t b = 0; b * page_ < length[r]; ++b) {
+        const int64_t block = table[r * width + b];
+        TORCH_CHECK(block >= 0 && (block + 1) * page_ <= cache_slots, "DecodeStack.step: block ", block,
+                    " is past the cache's ", cache_slots / page_);
+      }
+      int64_t* row = slots.data() + r * longest;
+      for (int64_t t = 0; t < longest; ++t) {
+        const int64_t position = t < length[r] ? t : 0;
+        row[t] = table[r * width + position / page_] * page_ + position % page_;
+      }
+    }
+    return slots;
+  }
+
+  at::Tensor embed_, cos_, sin_, final_norm_;
+  int64_t heads_, kv_heads_, page_, hidden_ = 0, dim_ = 0;
+  float eps_;
+  std::vector<StackLayer> layers_;
+};
 
 }  // namespace
 
@@ -721,6 +970,10 @@ TORCH_LIBRARY(ceiling, m) {
   m.def("q4_linear(Tensor x, Tensor codes, Tensor scales_and_mins) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths) -> Tensor");
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("step", &DecodeStack::step);
 }
 
 TORCH_LIBRARY_IMPL(ceiling, CPU, m) {

@@ -24,6 +24,7 @@ from .runner import ModelRunner
 from .sampler import pick_tokens
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .stack import StackReport, install as install_stack
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class OwnedManager:
         self.compile_buckets = compile_buckets  # () : no compiled steps
         self.compile_cache_dir = compile_cache_dir
         self.compiler: DecodeCompiler | None = None
+        self.stack_report: StackReport | None = None  # decided in the loop thread before it serves
         self.num_blocks = num_blocks
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
@@ -122,7 +124,14 @@ class OwnedManager:
             self._alive = False
             self._ready.set()
             return
-        if self.compile_buckets:  # serves eagerly until the compiled steps are built and measured faster
+        try:
+            self.stack_report = install_stack(self.runner, (1, max(self.compile_buckets, default=8)))
+        except Exception as exc:  # a kernel refusing these weights leaves the other paths, and says why
+            log.warning("the decode stack could not be used: %s", exc, exc_info=True)
+            self.stack_report = StackReport("unavailable", f"{type(exc).__name__}: {exc}"[:300])
+        log.info(self.stack_report.describe())
+        if self.compile_buckets and not self._stack_serves(self.compile_buckets):
+            # serves eagerly until the compiled steps are built and measured faster
             self.compiler = DecodeCompiler(self.runner, torch.get_num_threads(), self.compile_cache_dir,
                                            self.compile_buckets)
             self.compiler.start()
@@ -142,6 +151,11 @@ class OwnedManager:
                 self._outputs.put(StepOutput(seq.request_id, seq.generated, finished=True, error=str(exc)))
         finally:
             self._alive = False
+
+    def _stack_serves(self, buckets: tuple[int, ...]) -> bool:
+        """Whether the stack takes every decode step the compiled graphs would (then none are compiled)."""
+        stacked = self.runner.stacked
+        return stacked is not None and stacked.max_rows >= max(buckets)
 
     def _take_incoming(self, by_id: dict[str, Sequence]) -> None:
         while True:

@@ -54,6 +54,9 @@ class _Layer:
     o: Callable[[torch.Tensor], torch.Tensor]
     gate_up: Callable[[torch.Tensor], torch.Tensor]  # x → [rows, gate | up]
     down: Callable[[torch.Tensor], torch.Tensor]
+    # The linear modules behind qkv, o, gate_up and down (None where q|k|v or gate|up could not
+    # fuse into one): stack.py reads their 4-bit weights.
+    linears: tuple = ()
 
 
 def _forward_of(module):
@@ -61,21 +64,24 @@ def _forward_of(module):
     return module.forward
 
 
-def _side_by_side(modules: list) -> Callable[[torch.Tensor], torch.Tensor]:
-    """One call computing the modules' outputs concatenated: fused when their weights allow it."""
+def _side_by_side(modules: list) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.nn.Module | None]:
+    """One call computing the modules' outputs concatenated, and the fused module behind it (None
+    when their weights could not fuse: the call then concatenates their outputs)."""
     fused = fuse_linears(modules)
     if fused is not None:
-        return fused.forward
+        return fused.forward, fused
     forwards = [_forward_of(module) for module in modules]
-    return lambda x: torch.cat([forward(x) for forward in forwards], dim=-1)
+    return (lambda x: torch.cat([forward(x) for forward in forwards], dim=-1)), None
 
 
 def _layer_of(layer) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_linear = _side_by_side([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up, gate_up_linear = _side_by_side([mlp.gate_proj, mlp.up_proj])
     return _Layer(
         layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-        _side_by_side([attn.q_proj, attn.k_proj, attn.v_proj]), _forward_of(attn.o_proj),
-        _side_by_side([mlp.gate_proj, mlp.up_proj]), _forward_of(mlp.down_proj),
+        qkv, _forward_of(attn.o_proj), gate_up, _forward_of(mlp.down_proj),
+        linears=(qkv_linear, attn.o_proj, gate_up_linear, mlp.down_proj),
     )
 
 
@@ -111,6 +117,9 @@ class ModelRunner:
         # Decode-only steps as compiled graphs by bucket (rows → step), installed by
         # compiled.DecodeCompiler for the buckets that measure faster; empty: every step runs eagerly.
         self.decode_steps: dict[int, Callable] = {}
+        # Decode-only steps of up to stacked.max_rows rows in one C++ call (stack.py), installed by
+        # stack.install where it measures faster; None: they take the graphs or the eager path.
+        self.stacked = None
 
     def _rotary_table(self, core, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
@@ -123,6 +132,8 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> torch.Tensor | None:
         """Compute the plan's rows; the logits of each row that yields a token, in plan order (None: no row does)."""
+        if self.stacked is not None and not plan.prefill and len(plan.decode) <= self.stacked.max_rows:
+            return self.stacked.decode(plan.decode)
         if self.decode_steps and not plan.prefill:
             logits = self._compiled_decode(plan.decode)
             if logits is not None:
