@@ -24,7 +24,8 @@ from .runner import ModelRunner
 from .sampler import pick_tokens
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .stack import StackReport, install as install_stack
+from .stack import StackReport
+from .stack import install as install_stack
 
 log = logging.getLogger(__name__)
 
