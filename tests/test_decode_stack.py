@@ -6,6 +6,7 @@ written; chosen by measurement, and then the compiled graphs it covers are never
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -33,9 +34,11 @@ def loaded_kernels():
     assert kernels.load() is None
 
 
-def four_bit_model(model: nn.Module, q4_max_rows: int = 16) -> nn.Module:
-    """The model with every decoder linear on a 4-bit grid, packed for Ceiling's kernels, serving up to q4_max_rows."""
-    torch.manual_seed(0)
+def four_bit_model(build: Callable[[], nn.Module], q4_max_rows: int = 16, seed: int = 0) -> nn.Module:
+    """The model `build` makes (its embeddings and norms drawn from `seed`), every decoder linear on a
+    4-bit grid, packed for Ceiling's kernels, serving up to q4_max_rows."""
+    torch.manual_seed(seed)
+    model = build()
     with torch.no_grad():
         for index, (name, module) in enumerate(model.named_modules()):
             if isinstance(module, nn.Linear) and ".layers." in name:
@@ -51,12 +54,12 @@ def four_bit_model(model: nn.Module, q4_max_rows: int = 16) -> nn.Module:
 
 @pytest.fixture(scope="module")
 def llama():
-    return four_bit_model(LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=False)))
+    return four_bit_model(lambda: LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=False)))
 
 
 @pytest.fixture(scope="module")
 def qwen2():  # q, k and v carry biases
-    return four_bit_model(Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=True, use_sliding_window=False)))
+    return four_bit_model(lambda: Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=True, use_sliding_window=False)))
 
 
 def prefilled(runner: ModelRunner, lengths: list[int], seed: int = 0) -> list[Sequence]:
@@ -106,10 +109,11 @@ def assert_stacked_steps_match_eager(model: nn.Module, lengths: list[int]) -> No
             got = stacked.decode(seqs)
         # The same 4-bit kernels. The norms, rotary and SiLU round differently in their last bits, and
         # where a value sits on a rounding edge its int8 code flips: the eager step itself moves
-        # ~1% with its input scaled by 1 + 1e-6. A wrong rotation, bias or slot moves it ~100%.
-        assert relative_error(got, eager) < 0.03
+        # ~1% with its input scaled by 1 + 1e-6. Over 8 seeds of these models: logits ≤ 3.3% apart,
+        # caches ≤ 0.6%; leaving out the q|k|v bias moved them 26-100%.
+        assert relative_error(got, eager) < 0.06
         assert max(relative_error(cache, expected) for cache, expected in
-                   zip(runner.k_cache + runner.v_cache, eager_caches, strict=True)) < 0.01
+                   zip(runner.k_cache + runner.v_cache, eager_caches, strict=True)) < 0.02
         before = caches_of(runner)
         for seq, row in zip(seqs, eager, strict=True):
             seq.append(int(row.argmax()))
@@ -152,7 +156,7 @@ def test_runners_the_stack_cannot_serve_say_why(llama):
     report = stack.install(ModelRunner(fp32, BLOCKS, PAGE, paged_attention=True))
     assert report.state == "unavailable" and report.describe() == (
         "decode steps in one C++ call: not here (the block linears are not 4-bit weights on Ceiling's kernels)")
-    unmeasured = four_bit_model(LlamaForCausalLM(LlamaConfig(**SHAPE)), q4_max_rows=0)
+    unmeasured = four_bit_model(lambda: LlamaForCausalLM(LlamaConfig(**SHAPE)), q4_max_rows=0)
     assert stack.unavailable_reason(ModelRunner(unmeasured, BLOCKS, PAGE, paged_attention=True)) == (
         "the 4-bit route serves no decode rows on this machine")
 

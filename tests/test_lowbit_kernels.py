@@ -183,7 +183,7 @@ def test_the_narrower_instruction_paths_compute_the_same_products(path, tmp_path
         "    attention.test_the_kernel_computes_the_gathered_attention(*shape)\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "from tests import test_decode_stack as stacked\n"
-        "model = stacked.four_bit_model(LlamaForCausalLM(LlamaConfig(**stacked.SHAPE)))\n"
+        "model = stacked.four_bit_model(lambda: LlamaForCausalLM(LlamaConfig(**stacked.SHAPE)))\n"
         "stacked.assert_stacked_steps_match_eager(model, [5, 40, 17])\n"
         "print('all equal')\n"
     )

@@ -416,6 +416,7 @@ class Engine:
             compiled_decode=report.describe() if report else "",
             decode_stack_state=stack.state if stack else "",
             decode_stack=stack.describe() if stack else "",
+            thread_backoffs=getattr(getattr(self.manager, "governor", None), "backoffs", 0),
         )
 
     def compile_report(self):

@@ -51,6 +51,8 @@ class EngineStats:
     compiled_decode: str = ""
     decode_stack_state: str = ""  # used | slower | unavailable (owned loop), "" for transformers' loop
     decode_stack: str = ""
+    # Times the owned loop dropped to one thread because another process held a core (owned/threads.py).
+    thread_backoffs: int = 0
     updated_at: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict:

@@ -26,6 +26,7 @@ from .scheduler import Scheduler
 from .sequence import Sequence
 from .stack import StackReport
 from .stack import install as install_stack
+from .threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class OwnedManager:
         self._alive = False
         self.steps = 0
         self.step_seconds = 0.0
+        self.governor: ThreadGovernor | None = None  # made in the loop thread, whose thread count it sets
 
     # --- the interface the Engine drives ---------------------------------------------------------
 
@@ -136,6 +138,7 @@ class OwnedManager:
             self.compiler = DecodeCompiler(self.runner, torch.get_num_threads(), self.compile_cache_dir,
                                            self.compile_buckets)
             self.compiler.start()
+        self.governor = ThreadGovernor(torch.get_num_threads())
         self._ready.set()
         by_id: dict[str, Sequence] = {}
         try:
@@ -177,8 +180,11 @@ class OwnedManager:
         if not plan:
             self._wake.wait(timeout=0.01)  # everything waits for blocks held by nobody running: none
             return
+        self.governor.before_step()
         started = time.perf_counter()
         logits = self.runner.step(plan)
+        if not plan.prefill:
+            self.governor.after_decode_step(len(plan.decode), (time.perf_counter() - started) * 1000)
         self.steps += 1
         yielding = list(plan.decode)
         for chunk in plan.prefill:

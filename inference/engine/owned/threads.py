@@ -1,0 +1,67 @@
+"""How many threads the loop's steps use while another process holds one of the cores.
+
+A decode step wakes its threads ~150 times (every 4-bit product, every layer's attention) and waits
+at each join for the slowest. When another process runs on one of the cores, the thread that shares
+it is descheduled for a time slice now and then, and every join waits for it: on a 2-core AMD EPYC
+with a busy neighbour a lone stacked step went from ~5 ms to p50 14, p90 84-104 and max 390-820 ms
+with 2 threads, against p50 10, p90 13-17 with 1 (docs/engine.md). One thread loses ~40% on a quiet
+machine and wins several times over on a busy one, so the loop takes whichever the steps show:
+
+- every decode-only step's time is compared with the best time seen at its row count with all
+  threads (a step of 2.5× its best waited for a thread);
+- two such steps among the last four drop the loop to one thread for `BACKOFF_S`; after that it
+  tries all its threads again, and stays with them while their steps keep near their best. A
+  neighbour still there when they are tried doubles the next spell (up to `MAX_BACKOFF_S`), so a
+  long-running one costs a few slow steps every 8 s, not every second.
+
+The loop thread calls it around each step; nothing else sets its thread count.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+SLOW = 2.5  # a step this many times the best at its row count waited for a descheduled thread
+SLOW_OF_RECENT = (2, 4)  # this many slow steps among the last that many: a neighbour holds a core
+BACKOFF_S = 1.0  # one thread for this long, then all threads are tried again
+MAX_BACKOFF_S = 8.0
+
+
+class ThreadGovernor:
+    def __init__(self, threads: int, clock: Callable[[], float] = time.monotonic,
+                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+        self.threads = threads
+        self.clock = clock
+        self.set_threads = set_threads
+        self.best_ms: dict[int, float] = {}  # rows → the fastest decode step with all threads
+        self.recent: deque[bool] = deque(maxlen=SLOW_OF_RECENT[1])
+        self.single_until = 0.0
+        self.spell_s = BACKOFF_S
+        self.current = threads
+        self.backoffs = 0  # times the loop dropped to one thread (the engine's stats could show it)
+
+    def before_step(self) -> None:
+        wanted = 1 if self.clock() < self.single_until else self.threads
+        if wanted != self.current:
+            self.set_threads(wanted)
+            self.current = wanted
+            self.recent.clear()
+
+    def after_decode_step(self, rows: int, elapsed_ms: float) -> None:
+        if self.current != self.threads or self.threads == 1:
+            return  # one thread's times say nothing about waiting for the other
+        best = self.best_ms.get(rows)
+        if best is None or elapsed_ms < best:
+            self.best_ms[rows] = elapsed_ms
+        self.recent.append(best is not None and elapsed_ms > SLOW * best)
+        if sum(self.recent) >= SLOW_OF_RECENT[0]:
+            now = self.clock()
+            # Slow again within a spell's length of the last one ending: the neighbour stayed.
+            stayed = self.backoffs and now - self.single_until < self.spell_s
+            self.spell_s = min(2 * self.spell_s, MAX_BACKOFF_S) if stayed else BACKOFF_S
+            self.single_until = now + self.spell_s
+            self.backoffs += 1
