@@ -57,3 +57,25 @@ def test_statements_reach_execute_wrappers_and_raise_djangos_errors(alice, chat_
     with pytest.raises(IntegrityError):  # Django's, which the guard reads as a duplicate request id
         ledger_sql.insert(again)
     assert ledger_sql.update({"status": "failed"}, {"id": row.pk}) == 1  # the cursor still serves
+
+
+@pytest.mark.django_db(transaction=True)
+def test_new_row_is_the_row_the_model_builds(alice, chat_feature):
+    from django.db.models.signals import post_init, pre_init
+    from django.utils import timezone
+
+    values = {"request_id": "new-row", "user": alice, "feature": chat_feature, "provider": chat_feature.provider,
+              "price": None, "team": None, "model": "m", "status": TokenLog.Status.RUNNING, "prompt_tokens": 3,
+              "admitted": True, "counter_keys": ["k"], "created_at": timezone.now()}
+    # new_row skips Model.__init__, so nothing may listen to it
+    assert not pre_init.has_listeners(TokenLog) and not post_init.has_listeners(TokenLog)
+
+    fast, built = ledger_sql.new_row(values), TokenLog(**values)
+
+    assert {k: v for k, v in vars(fast).items() if k != "_state"} == {k: v for k, v in vars(built).items() if k != "_state"}
+    assert fast._state.fields_cache == built._state.fields_cache
+    assert (fast._state.adding, fast._state.db) == (True, None)
+    assert ledger_sql.new_row({})
+    assert ledger_sql.new_row({}).counter_keys is not ledger_sql.new_row({}).counter_keys  # a fresh default list
+    ledger_sql.insert(fast)
+    assert TokenLog.objects.get(pk=fast.pk).feature == chat_feature
