@@ -130,6 +130,36 @@ def insert(row: TokenLog) -> None:
     row._state.db = db.alias
 
 
+@lru_cache(maxsize=4)
+def _insert_many_sql(vendor: str) -> str:
+    """One INSERT of any number of rows, whose shape never changes (so it is prepared once): every
+    column one array parameter, unnested. The request ids come back with the ids, so each row finds
+    its own id whatever order PostgreSQL returns them in."""
+    meta = TokenLog._meta
+    db = _db()
+    quote = db.ops.quote_name
+    fields = [f for f in meta.concrete_fields if not f.primary_key]
+    columns = ", ".join(quote(f.column) for f in fields)
+    arrays = ", ".join(f"%s::{f.db_type(db)}[]" for f in fields)
+    request_id = quote(meta.get_field("request_id").column)
+    return (f"INSERT INTO {quote(meta.db_table)} ({columns}) SELECT * FROM unnest({arrays}) "
+            f"RETURNING {request_id}, {quote(meta.pk.column)}")
+
+
+def insert_many(rows: list[TokenLog]) -> None:
+    """insert() for many new rows in one statement (PostgreSQL): the ledger writer's batches."""
+    db = _db()
+    _, plan = _insert_sql(db.vendor)
+    columns = [[prepare(read(row), db) for row in rows] for _, read, prepare in plan]
+    with _cursor(db) as cursor:
+        cursor.execute(_insert_many_sql(db.vendor), columns)
+        ids = dict(cursor.fetchall())
+    for row in rows:
+        row.pk = ids[row.request_id]
+        row._state.adding = False
+        row._state.db = db.alias
+
+
 @lru_cache(maxsize=32)
 def _update_sql(vendor: str, names: tuple[str, ...], where: tuple[str, ...], returning: bool) -> str:
     meta = TokenLog._meta

@@ -79,3 +79,28 @@ def test_new_row_is_the_row_the_model_builds(alice, chat_feature):
     assert ledger_sql.new_row({}).counter_keys is not ledger_sql.new_row({}).counter_keys  # a fresh default list
     ledger_sql.insert(fast)
     assert TokenLog.objects.get(pk=fast.pk).feature == chat_feature
+
+
+@pytest.mark.django_db(transaction=True)
+def test_insert_many_writes_each_row_as_insert_does_and_gives_each_its_own_id(alice, chat_feature):
+    from django.utils import timezone
+
+    def row(request_id, **values):
+        return ledger_sql.new_row({"request_id": request_id, "user": alice, "feature": chat_feature, "model": "m",
+                                   "status": TokenLog.Status.RUNNING, "counter_keys": ["k", request_id],
+                                   "created_at": timezone.now(), **values})
+
+    alone = row("alone", tags=",a,", prompt_tokens=7, ttft_ms=None)
+    ledger_sql.insert(alone)
+    together = [row(f"together-{i}", tags=",a,", prompt_tokens=7 + i, ttft_ms=i or None) for i in range(3)]
+
+    ledger_sql.insert_many(together)
+
+    stored = {r.request_id: r for r in TokenLog.objects.filter(request_id__startswith="together-")}
+    assert {r.request_id: r.pk for r in together} == {rid: r.pk for rid, r in stored.items()}
+    columns = [f.attname for f in TokenLog._meta.concrete_fields if f.attname not in ("id", "request_id")]
+    first = stored["together-0"]
+    assert {c: getattr(first, c) for c in columns if c not in ("created_at", "counter_keys")} == {
+        c: getattr(TokenLog.objects.get(pk=alone.pk), c) for c in columns if c not in ("created_at", "counter_keys")}
+    assert [stored[f"together-{i}"].counter_keys for i in range(3)] == [["k", f"together-{i}"] for i in range(3)]
+    assert [stored[f"together-{i}"].ttft_ms for i in range(3)] == [None, 1, 2]
