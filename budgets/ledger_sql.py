@@ -18,6 +18,7 @@ the wrapper), and while queries are logged they go through Django's ordinary cur
 from __future__ import annotations
 
 import weakref
+from enum import Enum
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 from operator import attrgetter
@@ -202,6 +203,19 @@ def update_returning(values: Mapping[str, object], where: Mapping[str, object]) 
         cursor.execute(sql, _params(values, db) + _params(where, db))
         found = cursor.fetchone()
     return _from_db(found, db) if found is not None else None
+
+
+def updated_copy(row: TokenLog, values: Mapping[str, object]) -> TokenLog:
+    """A copy of `row` with `values` (attribute names: no related instances) as an UPDATE of them
+    leaves it in the database, without reading it back: for a caller that holds the row as it
+    was just before. Choices are stored as their plain values, as a read would return them."""
+    copy = TokenLog.__new__(TokenLog)
+    copy.__dict__.update(row.__dict__)
+    copy._state = ModelState()
+    copy._state.adding, copy._state.db = False, row._state.db
+    for name, value in values.items():
+        copy.__dict__[name] = value.value if isinstance(value, Enum) else value
+    return copy
 
 
 @lru_cache(maxsize=4)

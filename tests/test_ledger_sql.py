@@ -104,3 +104,29 @@ def test_insert_many_writes_each_row_as_insert_does_and_gives_each_its_own_id(al
         c: getattr(TokenLog.objects.get(pk=alone.pk), c) for c in columns if c not in ("created_at", "counter_keys")}
     assert [stored[f"together-{i}"].counter_keys for i in range(3)] == [["k", f"together-{i}"] for i in range(3)]
     assert [stored[f"together-{i}"].ttft_ms for i in range(3)] == [None, 1, 2]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("worker_has_the_row", [True, False])
+def test_the_finished_row_returned_is_the_row_in_the_database(alice, chat_feature, worker_has_the_row):
+    """With the row the worker holds, do_record_usage writes the usage over its copy instead of
+    reading the row back: every column must be what a read returns, types included."""
+    from django.utils import timezone
+
+    from budgets.actions import Usage, do_record_usage
+
+    admitted = ledger_sql.new_row({"request_id": "finished", "user": alice, "feature": chat_feature, "model": "m",
+                                   "status": TokenLog.Status.RUNNING, "counter_keys": ["k"], "admitted": True,
+                                   "prompt_tokens": 5, "created_at": timezone.now()})
+    ledger_sql.insert(admitted)
+
+    row = do_record_usage("finished", status=TokenLog.Status.OK, usage=Usage(5, 7), finish_reason="stop", ttft_ms=12,
+                          admitted=admitted if worker_has_the_row else None)
+
+    stored = TokenLog.objects.get(pk=admitted.pk)
+    columns = [f.attname for f in TokenLog._meta.concrete_fields]
+    assert [(c, getattr(row, c), type(getattr(row, c))) for c in columns] == [
+        (c, getattr(stored, c), type(getattr(stored, c))) for c in columns]
+    assert (row._state.adding, row._state.db) == (False, "default")
+    assert admitted.status == TokenLog.Status.RUNNING  # the caller's copy is left as it was
+    assert do_record_usage("finished", status=TokenLog.Status.OK, usage=Usage(5, 7), admitted=admitted) is None
