@@ -10,7 +10,6 @@ import pytest
 from django.conf import settings
 from django.utils import timezone
 
-from budgets.actions import Usage, do_record_usage
 from budgets.counters import ADMITTED_MARKER_TTL_S, DONE_MARKER_TTL_S
 from budgets.guard import admit, counter_store, settle
 from budgets.models import Quota, TokenLog

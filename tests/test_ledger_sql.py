@@ -130,3 +130,26 @@ def test_the_finished_row_returned_is_the_row_in_the_database(alice, chat_featur
     assert (row._state.adding, row._state.db) == (False, "default")
     assert admitted.status == TokenLog.Status.RUNNING  # the caller's copy is left as it was
     assert do_record_usage("finished", status=TokenLog.Status.OK, usage=Usage(5, 7), admitted=admitted) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_statements_survive_the_session_losing_its_prepared_statements(alice, chat_feature):
+    """psycopg sends DEALLOCATE ALL after a rollback, which takes the ledger's statements too: the
+    next one is prepared again, and runs once."""
+    from django.db import transaction
+    from django.utils import timezone
+
+    row = ledger_sql.new_row({"request_id": "deallocated", "user": alice, "feature": chat_feature, "model": "m",
+                              "status": TokenLog.Status.RUNNING, "counter_keys": [], "created_at": timezone.now()})
+    ledger_sql.insert(row)
+    assert ledger_sql.update({"prompt_tokens": 1}, {"id": row.pk}) == 1
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")
+
+    assert ledger_sql.update({"prompt_tokens": 2}, {"id": row.pk}) == 1
+
+    with pytest.raises(RuntimeError), transaction.atomic():  # a rollback: psycopg deallocates everything
+        ledger_sql.update({"prompt_tokens": 99}, {"id": row.pk})
+        raise RuntimeError
+    assert ledger_sql.update_returning({"prompt_tokens": 3}, {"id": row.pk}).prompt_tokens == 3
+    assert TokenLog.objects.get(pk=row.pk).prompt_tokens == 3
