@@ -25,10 +25,12 @@ from dataclasses import dataclass, replace
 
 import redis
 from redis.cluster import RedisCluster
+from redis.commands.core import Script
 
 from .redis_clients import cluster_errors_as_redis_errors, node_client, refresh_layout
 
-# KEYS of admit and settle: n counter hashes, then their n in-flight hashes, then one marker.
+# KEYS of admit and settle: n counter hashes, then their n in-flight hashes, then the script's marker
+# (settle's is followed by the admitted marker, whose life it shortens; admit's by version keys).
 # A counter's in-flight hash maps request id → "tokens,cost" reserved by that request. A counter
 # releases (and counts as used) only requests in its own in-flight hash: a counter rebuilt from the
 # ledger after a request was settled there already counts it as used, and must not count it twice.
@@ -181,8 +183,8 @@ return reply
 """
 
 SETTLE_LUA = COMMON_LUA + """
-local n = (#KEYS - 1) / 2
-local marker = KEYS[#KEYS]
+local n = (#KEYS - 2) / 2
+local marker, admitted = KEYS[2 * n + 1], KEYS[2 * n + 2]
 if redis.call('EXISTS', marker) == 1 then return 0 end
 local request_id = ARGV[2]
 local used_tokens, used_cost = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -199,6 +201,9 @@ for i = 1, n do
   end
 end
 redis.call('SET', marker, 1, 'EX', tonumber(ARGV[1]))
+-- The ledger row holds the outcome now (it is written before any settle): nothing reads the
+-- admitted marker for long any more (see DONE_MARKER_TTL_S).
+redis.call('EXPIRE', admitted, tonumber(ARGV[1]))
 return 1
 """
 
@@ -232,7 +237,18 @@ return 1
 Versions = tuple[tuple[str, str], ...]
 
 NO_LIMIT = -1
-MARKER_TTL_S = 2 * 24 * 3600
+# How long the scripts' markers live (docs/budgets.md, "How long the markers live"). The admitted
+# marker tells reconciliation, for a row a crash left running, whether the admit script granted it:
+# reconciliation reads it CEILING_RESERVATION_TTL_S after the row's start at the earliest, and
+# later if every worker was down, so it outlives any outage worth surviving. Once the settle script
+# ran, the row records the outcome (the ledger is written before every settle) and both markers
+# only make a replay answer "already settled" and a repeated admit script "duplicate" (the ledger's
+# unique request id refuses a repeated admission first): a few minutes cover the replays that
+# follow a settle (the worker's own, reconciliation's after SETTLE_RETRY_AFTER_S), and a replay
+# after that changes no counter either (the first settle took the request out of every in-flight
+# hash). At 1,000 requests/s that is ~600,000 keys, where two days of both were ~350 million.
+ADMITTED_MARKER_TTL_S = 2 * 24 * 3600
+DONE_MARKER_TTL_S = 300
 LOGICAL_PREFIX = "ceiling"  # how the guard names counters (and the ledger's counter_keys record them)
 CLUSTER_PREFIX = "{ceiling}"  # the same names on a cluster: one hash tag, one slot
 
@@ -362,7 +378,7 @@ class CounterStore:
         with cluster_errors_as_redis_errors():
             node = node_client(self.client, keys[0])
         if not (replicated and self.wait_replicas):
-            return self._routed(lambda: script(keys=keys, args=args, client=node)), None
+            return self._routed(lambda: evalsha(node, script, keys, args)), None
 
         def script_then_wait():
             needed = self._replicas_to_wait_for(node)
@@ -425,7 +441,7 @@ class CounterStore:
         groups = [primary] if fallback is None else [primary, fallback]
         specs = [spec for group in groups for spec in group.counters]
         versions = versions or ()
-        args: list = [MARKER_TTL_S, prompt_tokens, request_id, len(counters), *_group_args(primary)]
+        args: list = [ADMITTED_MARKER_TTL_S, prompt_tokens, request_id, len(counters), *_group_args(primary)]
         args += ["1", *_group_args(fallback)] if fallback is not None else ["0", 0, 0, 0]
         args.append(len(versions))
         for spec in specs:
@@ -456,8 +472,9 @@ class CounterStore:
         keys = [self.redis_key(key) for key in keys]
         reply, acks = self._run(
             self._settle,
-            [*keys, *(in_flight_key(key) for key in keys), self.settled_marker(request_id)],
-            [MARKER_TTL_S, request_id, used_tokens, used_cost_micro_usd, "1" if count_as_used else "0"],
+            [*keys, *(in_flight_key(key) for key in keys), self.settled_marker(request_id),
+             self.admitted_marker(request_id)],
+            [DONE_MARKER_TTL_S, request_id, used_tokens, used_cost_micro_usd, "1" if count_as_used else "0"],
             replicated=replicated,
         )
         if acks is not None and acks.short:
@@ -472,7 +489,8 @@ class CounterStore:
         return int(reply)
 
     def admitted(self, request_id: str) -> bool:
-        """Whether an admit call granted this request (its marker, kept MARKER_TTL_S)."""
+        """Whether an admit call granted this request and no settle has run for it for DONE_MARKER_TTL_S
+        (its marker: ADMITTED_MARKER_TTL_S from the grant, DONE_MARKER_TTL_S from a settle)."""
         with cluster_errors_as_redis_errors():
             return bool(self._routed(lambda: self.client.exists(self.admitted_marker(request_id))))
 
@@ -500,6 +518,36 @@ class CounterStore:
             return None
         ur, ut, uc, rr, rt, rc = (int(v or 0) for v in values[1:])
         return CounterState(Usage(ur, ut, uc), Usage(rr, rt, rc))
+
+
+def evalsha(node: redis.Redis, script: Script, keys: list[str], args: list):
+    """What script(keys=keys, args=args, client=node) does, on one of the node pool's connections,
+    without the layers redis-py puts around every command (its retry wrapper, observability hooks,
+    response callbacks), which were ~40% of the client's CPU for a script (bench_guard: two a cycle).
+    As there, an unknown script (a restarted or new server) is loaded once and sent again."""
+    pool = node.connection_pool
+    connection = pool.get_connection()  # checks the connection is alive, reconnects if not
+    try:
+        try:
+            return _command(connection, "EVALSHA", script.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            script.sha = _text(_command(connection, "SCRIPT", "LOAD", script.script))
+            return _command(connection, "EVALSHA", script.sha, len(keys), *keys, *args)
+    finally:
+        pool.release(connection)
+
+
+def _command(connection, *command):
+    """One command and its reply; a connection that failed mid-command is closed, as redis-py does
+    (an error reply, such as a script's, leaves it usable)."""
+    try:
+        connection.send_command(*command)
+        return connection.read_response()
+    except redis.ResponseError:
+        raise
+    except BaseException:
+        connection.disconnect()
+        raise
 
 
 def _group_args(group: CounterGroup) -> list[int]:

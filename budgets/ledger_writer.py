@@ -31,6 +31,7 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, connection, connections, transaction
 from django.db.utils import load_backend
 
+from . import ledger_sql
 from .models import TokenLog
 
 log = logging.getLogger(__name__)
@@ -171,13 +172,13 @@ class LedgerWriter:
 def _write_together(batch: list[_Write]) -> None:
     inserts = [w.row for w in batch if w.kind == "insert"]
     if inserts:
-        TokenLog.objects.bulk_create(inserts)  # one INSERT … RETURNING id: every row gets its pk
+        ledger_sql.insert_many(inserts)  # one prepared INSERT … RETURNING: every row gets its pk
     admitted = [w.row for w in batch if w.kind == "admitted"]
     if admitted:
         TokenLog.objects.bulk_update(admitted, ADMITTED_FIELDS)
     settled = [w.row_id for w in batch if w.kind == "settled"]
     if settled:
-        TokenLog.objects.filter(pk__in=settled, counters_settled=False).update(counters_settled=True)
+        ledger_sql.mark_settled(settled)
 
 
 def use_own_connection() -> None:
