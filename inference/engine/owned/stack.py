@@ -9,7 +9,8 @@ attention and activation itself; threads wake only for the products and the atte
 
 It serves an engine whose block linears are all on Ceiling's 4-bit kernels with an fp32 cache
 (the q4 variant on a CPU), for decode-only steps of up to the rows the 4-bit route was measured
-to win (`q4_max_rows`): the same kernels those steps' linears would call, so the same numerics.
+to win (`q4_max_rows`): the same kernels those steps' linears would call, so the same arithmetic
+up to the rounding of its norms, rotary and SiLU (tests/test_decode_stack.py says how close).
 The lm_head stays a Python call: its own routing (int8 or fp32) lives there.
 `unavailable_reason` says why an engine cannot use it; the runner then keeps its other paths.
 """
@@ -80,7 +81,6 @@ class StackedDecode:
                            runner.v_cache if v_caches is None else v_caches)
         self.lm_head = runner.lm_head
         self.max_rows = max_rows(runner)
-        self.device = runner.device
 
     def __call__(self, tokens: list[int], lengths: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """Logits [rows, vocab] of rows whose last token is tokens[r] at position lengths[r] - 1."""

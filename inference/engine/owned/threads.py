@@ -4,8 +4,9 @@ A decode step wakes its threads ~150 times (every 4-bit product, every layer's a
 at each join for the slowest. When another process runs on one of the cores, the thread that shares
 it is descheduled for a time slice now and then, and every join waits for it: on a 2-core AMD EPYC
 with a busy neighbour a lone stacked step went from ~5 ms to p50 14, p90 84-104 and max 390-820 ms
-with 2 threads, against p50 10, p90 13-17 with 1 (docs/engine.md). One thread loses ~40% on a quiet
-machine and wins several times over on a busy one, so the loop takes whichever the steps show:
+with 2 threads, against p50 10, p90 13-17 with 1 (docs/engine.md). One thread is slower on a quiet
+machine (one core's share of the memory bandwidth) and several times faster at the tail on a busy
+one, so the loop takes whichever the steps show:
 
 - every decode-only step's time is compared with the best time seen at its row count with all
   threads (a step of 2.5× its best waited for a thread);
@@ -14,7 +15,9 @@ machine and wins several times over on a busy one, so the loop takes whichever t
   neighbour still there when they are tried doubles the next spell (up to `MAX_BACKOFF_S`), so a
   long-running one costs a few slow steps every 8 s, not every second.
 
-The loop thread calls it around each step; nothing else sets its thread count.
+The loop thread calls it around each step; nothing else sets its thread count. (torch also passes the
+count to MKL, whose setting is process-wide: a second engine in the same process would see its
+GEMMs follow it, one more reason for one variant per worker process.)
 """
 
 from __future__ import annotations
