@@ -86,6 +86,28 @@ def test_a_repeated_prompt_reuses_its_prefix_blocks_and_answers_the_same(model, 
     assert manager.blocks.shared_tokens == (len(prompts[1]) - 1) // 16 * 16
 
 
+def test_requests_arriving_together_compute_their_shared_prefix_once(model, prompts):
+    manager = OwnedManager(model, num_blocks=64, page_size=16, max_batch_tokens=512, prefix_sharing=True)
+    manager.start()
+    try:
+        answers = run_to_the_end(manager, {"first": prompts[1], "second": prompts[1], "other": prompts[0]}, 8)
+    finally:
+        manager.stop()
+    assert answers["first"] == answers["second"] == greedy(model, prompts[1], 8)
+    assert answers["other"] == greedy(model, prompts[0], 8)
+    # The second shares every block of the first but the last; the other, the chat template's opening.
+    assert manager.blocks.shared_tokens == _common_blocks(prompts[1], prompts[1], 16) + _common_blocks(prompts[0], prompts[1], 16) > 16
+    assert manager.blocks.pending == {}
+
+
+def _common_blocks(prompt: list[int], computed: list[int], page: int) -> int:
+    """Tokens of `prompt` a request can take from `computed`'s blocks: whole equal blocks, never its last token's."""
+    blocks = 0
+    while blocks < (len(prompt) - 1) // page and prompt[blocks * page : (blocks + 1) * page] == computed[blocks * page : (blocks + 1) * page]:
+        blocks += 1
+    return blocks * page
+
+
 def test_cancelling_a_running_request_frees_its_blocks_and_spares_the_others(model, prompts):
     manager = OwnedManager(model, num_blocks=64, page_size=16, max_batch_tokens=512, prefix_sharing=False)
     manager.start()
@@ -154,6 +176,53 @@ def test_prefix_blocks_are_shared_revived_from_the_free_list_and_never_the_last_
     assert third.block_table[:2] == first_table[:2]  # revived: their last users had left
     other_prefix = _sequence([99] + list(range(1, 13)))
     assert blocks.allocate(other_prefix) and other_prefix.computed == 0
+
+
+def test_a_request_waits_for_the_prefix_a_running_request_is_computing_then_shares_it():
+    scheduler = Scheduler(BlockManager(num_blocks=32, page_size=4, prefix_sharing=True), max_batch_tokens=8)
+    system = list(range(100, 112))  # three full blocks
+    owner, follower = _sequence(system + [1, 2], request_id="owner"), _sequence(system + [3], request_id="follower")
+    stranger = _sequence([7] * 20, request_id="stranger")
+    for seq in (owner, follower, stranger):
+        scheduler.add(seq)
+    plan = scheduler.schedule()  # the follower is held back; the stranger behind it is not
+    assert stranger in scheduler.running and [s.request_id for s in scheduler.waiting] == ["follower"]
+    assert [(c.seq.request_id, c.start, c.end) for c in plan.prefill] == [("owner", 0, 8)]
+    for chunk in plan.prefill:  # what the loop does after a step
+        chunk.seq.computed = chunk.end
+        scheduler.blocks.register_computed_blocks(chunk.seq)
+    scheduler.schedule()
+    assert [s.request_id for s in scheduler.waiting] == ["follower"]  # the third block is still to come
+    owner.computed = len(owner.prompt)
+    scheduler.blocks.register_computed_blocks(owner)
+    plan = scheduler.schedule()
+    assert follower in scheduler.running and follower.computed == 12
+    assert follower.block_table[:3] == owner.block_table[:3]
+    assert (plan.prefill[0].seq, plan.prefill[0].start, plan.prefill[0].end) == (follower, 12, 13)
+
+
+def test_a_held_back_request_is_admitted_on_its_own_when_the_prefix_owner_leaves():
+    scheduler = Scheduler(BlockManager(num_blocks=32, page_size=4, prefix_sharing=True), max_batch_tokens=64)
+    system = list(range(100, 112))
+    owner, follower = _sequence(system + [1], request_id="owner"), _sequence(system + [3], request_id="follower")
+    scheduler.add(owner)
+    scheduler.add(follower)
+    scheduler.schedule()
+    assert list(scheduler.waiting) == [follower]
+    scheduler.finish(owner)  # cancelled before computing anything
+    assert scheduler.blocks.pending == {}
+    plan = scheduler.schedule()
+    assert follower in scheduler.running and follower.computed == 0
+    assert [(c.seq.request_id, c.start, c.end) for c in plan.prefill] == [("follower", 0, 13)]
+
+
+def test_without_prefix_sharing_nothing_is_held_back():
+    scheduler = Scheduler(BlockManager(num_blocks=32, page_size=4, prefix_sharing=False), max_batch_tokens=64)
+    first, second = _sequence(list(range(13)), request_id="a"), _sequence(list(range(13)), request_id="b")
+    scheduler.add(first)
+    scheduler.add(second)
+    plan = scheduler.schedule()
+    assert [c.seq.request_id for c in plan.prefill] == ["a", "b"] and not scheduler.waiting
 
 
 def test_the_engine_says_which_loop_runs_and_falls_back_for_a_model_it_cannot_run():

@@ -13,6 +13,12 @@ so a shared system prompt is computed once. A block whose last user left stays r
 sits in the free list and is revived on a match; it is forgotten only when handed out anew (least
 recently freed first). The block holding a prompt's last token is never shared: that token's
 logits must be computed.
+
+Requests that arrive together (a burst behind one system prompt) would each compute the prefix: none
+of its blocks is computed when they are admitted. So an admitted request's full prompt blocks are
+*promised* (`pending`) until computed, and the scheduler holds back a request whose prompt starts
+with a promised block until the promise is kept or its owner leaves (`awaits_shared_prefix`), then
+admits it onto the computed blocks: SGLang's in-batch prefix caching, for the same reason.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class BlockManager:
         self.block_of_hash: dict[int, int] = {}
         self.key_of_block: dict[int, tuple[int, tuple[int, ...]]] = {}  # block → (hash, its tokens)
         self.shared_tokens = 0  # prompt tokens that were not computed thanks to a shared block
+        self.pending: dict[int, Sequence] = {}  # chain hash → the admitted request that will compute that block
 
     @property
     def used(self) -> int:
@@ -42,7 +49,7 @@ class BlockManager:
 
     def allocate(self, seq: Sequence) -> bool:
         """Give the request every block it can need, reusing shared prefix blocks; False if they don't fit."""
-        matched, chain = self._shared_prefix(seq.prompt)
+        matched, chain = self._shared_prefix(seq)
         fresh = self.blocks_for(seq.reserved_tokens) - len(matched)
         revived = sum(1 for block in matched if self.refs[block] == 0)
         if fresh > len(self.free) - revived:
@@ -55,6 +62,7 @@ class BlockManager:
         seq.computed = len(matched) * self.page_size
         seq.hashed_blocks, seq.last_hash = len(matched), chain
         self.shared_tokens += seq.computed
+        self._promise(seq)
         return True
 
     def release(self, seq: Sequence) -> None:
@@ -63,6 +71,19 @@ class BlockManager:
             if self.refs[block] == 0:
                 self.free[block] = None
         seq.block_table = []
+        self._forget_promises(seq)
+
+    def awaits_shared_prefix(self, seq: Sequence) -> bool:
+        """Whether the request's prompt continues into a block another admitted request is about to
+        compute: admitting it later shares that block instead of computing it twice."""
+        if not self.pending:
+            return False
+        for chain in self._prompt_chains(seq):
+            if chain in self.pending:
+                return True
+            if chain not in self.block_of_hash:
+                return False
+        return False
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Make the request's newly completed prompt blocks findable by later requests."""
@@ -77,17 +98,45 @@ class BlockManager:
             if chain not in self.block_of_hash:
                 self.block_of_hash[chain] = block
                 self.key_of_block[block] = (chain, tokens)
+            if self.pending.get(chain) is seq:
+                del self.pending[chain]
             seq.hashed_blocks, seq.last_hash = index + 1, chain
+        if full == len(seq.prompt) // self.page_size:
+            self._forget_promises(seq)  # its prompt is computed: whatever it promised is kept or moot
 
-    def _shared_prefix(self, prompt: list[int]) -> tuple[list[int], int | None]:
+    def _promise(self, seq: Sequence) -> None:
+        """Mark the request's shareable prompt blocks that nobody has computed as about to be."""
+        if not self.prefix_sharing:
+            return
+        for chain in self._prompt_chains(seq)[seq.hashed_blocks :]:
+            if chain not in self.block_of_hash:
+                self.pending.setdefault(chain, seq)
+
+    def _forget_promises(self, seq: Sequence) -> None:
+        if self.pending:
+            for chain in self._prompt_chains(seq):
+                if self.pending.get(chain) is seq:
+                    del self.pending[chain]
+
+    def _prompt_chains(self, seq: Sequence) -> list[int]:
+        """The hash chain after each shareable prompt block (computed once per request)."""
+        if seq.prompt_chains is None:
+            chains, chain = [], None
+            for index in range((len(seq.prompt) - 1) // self.page_size):
+                chain = hash((chain, tuple(seq.prompt[index * self.page_size : (index + 1) * self.page_size])))
+                chains.append(chain)
+            seq.prompt_chains = chains
+        return seq.prompt_chains
+
+    def _shared_prefix(self, seq: Sequence) -> tuple[list[int], int | None]:
         matched: list[int] = []
         chain = None
         if not self.prefix_sharing:
             return matched, chain
-        shareable = (len(prompt) - 1) // self.page_size  # never the block of the last prompt token
-        for index in range(shareable):
+        prompt = seq.prompt
+        # never the block of the last prompt token (_prompt_chains stops before it)
+        for index, candidate in enumerate(self._prompt_chains(seq)):
             tokens = tuple(prompt[index * self.page_size : (index + 1) * self.page_size])
-            candidate = hash((chain, tokens))
             block = self.block_of_hash.get(candidate)
             if block is None or self.key_of_block.get(block) != (candidate, tokens):
                 break

@@ -3,7 +3,8 @@
 Every step first carries each running request one token further (decode rows), then spends what is
 left of the step's token budget on prompt chunks (chunked prefill): a long prompt never stalls the
 answers already streaming, and a burst of new prompts is absorbed a budget at a time. Requests are
-admitted in arrival order when their blocks fit (blocks.py reserves them).
+admitted in arrival order when their blocks fit (blocks.py reserves them), except one whose prompt
+starts with blocks a running request is computing: it waits for them and shares them (blocks.py).
 
 Prompt chunks go shortest remaining prompt first: in a burst, the short questions get their first
 token after a step or two instead of queueing behind every long prompt that arrived a moment
@@ -96,9 +97,15 @@ class Scheduler:
         seq.status = FINISHED
 
     def _admit(self) -> None:
+        held_back: list[Sequence] = []  # wait for a prefix that a running request is computing
         while self.waiting and len(self.running) < self.max_batch_tokens:
-            if not self.blocks.allocate(self.waiting[0]):
-                return  # in order: a large request is not overtaken forever by small ones
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
+            if self.blocks.awaits_shared_prefix(seq):
+                held_back.append(self.waiting.popleft())
+                continue
+            if not self.blocks.allocate(seq):
+                break  # in order: a large request is not overtaken forever by small ones
+            self.waiting.popleft()
             seq.status = RUNNING
             self.running.append(seq)
+        self.waiting.extendleft(reversed(held_back))
