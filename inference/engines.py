@@ -47,6 +47,7 @@ def engine_config_from_settings(folder: Path, quantization: str | None = None) -
         compile_cache_dir=Path(settings.VAR_DIR) / "inductor",
         own_kernels=settings.CEILING_OWN_KERNELS,
         kernel_cache_dir=Path(settings.VAR_DIR) / "kernels",
+        q4_wide_bf16=settings.CEILING_Q4_WIDE_BF16,
     )
 
 
