@@ -139,3 +139,15 @@ def test_an_engine_asked_for_wide_steps_measures_them_at_load_and_counts_the_cop
     assert bool(copies) == (engine.wide_min_rows != NEVER)
     assert engine.q4_max_rows < engine.wide_min_rows and engine.q4_max_rows <= engine.q4_max_rows_before_wide
     assert engine.weights_bytes == weights_memory_bytes(engine.model)
+
+
+@pytest.mark.parametrize("wide", [True, False])
+def test_the_setting_reaches_the_engine_and_the_benchs_own_worker(settings, wide):
+    from inference.engines import engine_config_from_settings
+    from inference.management.commands.bench import stack_env
+
+    settings.CEILING_Q4_WIDE_BF16 = wide
+    assert engine_config_from_settings(model_dir()).q4_wide_bf16 is wide
+    options = {"loop": "owned", "attention": "varlen", "max_batch_tokens": 512, "skinny_linear": True,
+               "quantization": Q4, "compile_buckets": (), "q4_wide_bf16": wide}
+    assert stack_env(options, 1)["CEILING_Q4_WIDE_BF16"] == ("1" if wide else "0")
