@@ -337,7 +337,7 @@ CEILING_OWN_KERNELS = envbool("CEILING_OWN_KERNELS", True)
 # The q4 variant's wide steps (prompt chunks, decode steps past the 4-bit kernel's reach) on a bf16 copy
 # of the block weights, from the row count where it measures faster when the engine loads, and only
 # there (inference/engine/patches/quantization.py: measure_wide_rows): prefill ~2x faster on CPUs with
-# AVX512-BF16 or AMX, ~210 MB more memory for SmolLM2. Off keeps fp32 for them.
+# AVX512-BF16 or AMX, ~256 MiB more memory for SmolLM2. Off keeps fp32 for them.
 CEILING_Q4_WIDE_BF16 = envbool("CEILING_Q4_WIDE_BF16", True)
 # Decode-only steps of up to 1, 2, 4 or 8 rows compiled by torch.compile (one graph per bucket,
 # padded rows) in a background thread when the worker starts (about a minute per bucket on 2 cores),
