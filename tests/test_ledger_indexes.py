@@ -1,4 +1,4 @@
-"""TokenLog's indexes after migration 0019 (issue #23, docs/benchmarks.md "Fifth pass"): every
+"""TokenLog's indexes after migrations 0019-0020 (issue #23, docs/benchmarks.md "Fifth pass"): every
 query shape that lost its own index is still answered through an index, and the
 `counters_settled` mark is a HOT update (no index entry) on PostgreSQL."""
 
@@ -29,7 +29,7 @@ EXPECTED = {
     "tokenlog_requested_feature_idx": "(requested_feature_id) WHERE (requested_feature_id IS NOT NULL)",
     "tokenlog_loop_idx": "(loop_id) WHERE (NOT ((loop_id)::text = ''::text))",
     "tokenlog_refusal_idx": "(refusal_code, created_at) WHERE (NOT ((refusal_code)::text = ''::text))",
-    "tokenlog_tags_trgm_idx": "gin (tags gin_trgm_ops)",
+    "tokenlog_tags_trgm_idx": "gin (tags gin_trgm_ops) WHERE ((tags)::text > ''::text)",
 }
 
 
@@ -113,3 +113,32 @@ def test_the_settled_mark_is_a_hot_update_and_the_finish_is_not(alice, chat_feat
             updated, hot = cursor.fetchone()
     assert (updated, hot) == (2, 1)  # a page with room here; the fillfactor keeps room at gateway rates
     assert TokenLog.objects.get(pk=row.pk).counters_settled
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_tags_rows_are_found_through_the_trigram_index_on_tagged_rows_and_untagged_rows_stay_out(alice):
+    from budgets import charts, forecast
+    from budgets.guard import Scopes, _tag_ceilings
+    from budgets.models import TagQuota
+    from budgets.tags import tag_filter, tags_text
+
+    now = timezone.now()
+    for i, tags in enumerate([["support"], ["support", "beta"], ["supportive"], []]):
+        TokenLog.objects.create(request_id=f"tag-{i}", user=alice, model="m", status=TokenLog.Status.OK,
+                                tags=tags_text(tags), counter_keys=[], created_at=now - timedelta(minutes=i))
+    quota = TagQuota.objects.create(tag="support", max_cost_micro_usd=10**9)
+    guard_filter = _tag_ceilings(Scopes(tag_quotas=(quota,)), now)[0].ledger_filter
+    assert guard_filter.items() >= tag_filter("support").items()  # the rebuild's filter is this one, bounded by the month
+    queries = {
+        "the guard's rebuild": TokenLog.objects.filter(**guard_filter),
+        "the token log's and the charts' filter": charts._tagged("support"),
+    }
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL enable_seqscan = off")  # a plan with no usable index still scans
+        plan = TokenLog.objects.filter(**tag_filter("support")).explain()
+        assert "tokenlog_tags_trgm_idx" in plan, plan  # tags > '' matches the partial index's predicate
+        for what, queryset in queries.items():
+            assert sorted(queryset.values_list("request_id", flat=True)) == ["tag-0", "tag-1"], what
+    histories = forecast.tag_histories(["support"], now - timedelta(days=1), now + timedelta(minutes=1))
+    assert list(histories) == [(forecast.TAG_GROUP, ("support",))]
