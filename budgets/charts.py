@@ -15,7 +15,7 @@ from django.db.models.functions import TruncDay, TruncMinute
 from .costmodel import latency_shares
 from .models import Alert, Provider, TokenLog
 from .periods import local_zone, period_bounds, period_key
-from .tags import tags_text
+from .tags import tag_filter
 
 SETTLED = ~Q(status__in=[TokenLog.Status.RUNNING, TokenLog.Status.REFUSED])
 TOKENS = F("prompt_tokens") + F("completion_tokens")
@@ -129,7 +129,7 @@ class Series:
 
 def _tagged(tag: str | None):
     """The ledger, or only the rows that carried `tag` (charts grouped by tag, as the token log filters)."""
-    return TokenLog.objects.filter(tags__contains=tags_text([tag])) if tag else TokenLog.objects.all()
+    return TokenLog.objects.filter(**tag_filter(tag)) if tag else TokenLog.objects.all()
 
 
 def feature_series(now: datetime, range_name: str, tag: str | None = None) -> dict[str, Series]:

@@ -31,7 +31,7 @@ from .guard import SETTLED
 from .models import Period, Provider, Quota, TagQuota, TeamQuota, TokenLog
 from .money import format_usd
 from .periods import local_zone, period_bounds
-from .tags import tags_text
+from .tags import TAGGED, tags_text
 
 TRAILING_FULL_DAYS = 6  # plus today so far: a 7-day window
 WEEKDAY_AWARE_AFTER_DAYS = 21
@@ -324,7 +324,7 @@ def tag_histories(tags: list[str], since: datetime, now: datetime) -> dict[tuple
     for one in matching:
         any_tag |= one
     rows = (
-        TokenLog.objects.filter(SETTLED, any_tag, created_at__gte=since, created_at__lt=now)
+        TokenLog.objects.filter(SETTLED, any_tag, created_at__gte=since, created_at__lt=now, **TAGGED)
         .annotate(day=TruncDate("created_at", tzinfo=local_zone()))
         .order_by().values("day")
         .annotate(**{f"t{i}": Sum("cost_micro_usd", filter=one) for i, one in enumerate(matching)})

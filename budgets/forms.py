@@ -24,7 +24,7 @@ from .actions import QUOTA_FIELDS
 from .models import AlertWebhook, Feature, ModelPrice, Period, Provider, Quota, Team, TokenLog, tag_validator
 from .money import format_usd, parse_usd
 from .periods import local_zone
-from .tags import tags_text
+from .tags import tag_filter
 from .usage import caps_of
 
 MAX_USD = Decimal("1000000000")  # far beyond any real cap, far below the bigint column
@@ -572,7 +572,7 @@ class LogFilterForm(forms.Form):
         if data["team"]:
             rows = rows.filter(team=data["team"])
         if data["tag"]:
-            rows = rows.filter(tags__contains=tags_text([data["tag"]]))
+            rows = rows.filter(**tag_filter(data["tag"]))
         # Dates are calendar days in settings.TIME_ZONE, like every period in Ceiling.
         if data["date_from"]:
             rows = rows.filter(created_at__gte=datetime.combine(data["date_from"], time(), tzinfo=local_zone()))

@@ -49,7 +49,7 @@ from .models import (
 )
 from .money import format_usd
 from .periods import describe_reset, period_bounds, period_key, seconds_until_reset
-from .tags import tags_text
+from .tags import tag_filter, tags_text
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ def _tag_ceilings(scopes: Scopes, at: datetime) -> list[Ceiling]:
         Ceiling(
             CounterSpec(f"ceiling:c:tag:{q.tag}:month:{pkey}", Limits(cost_micro_usd=q.max_cost_micro_usd), ttl),
             "tag", Period.MONTH, f"the tag {q.tag!r}",
-            {"tags__contains": tags_text([q.tag]), "created_at__gte": start, "created_at__lt": end},
+            {**tag_filter(q.tag), "created_at__gte": start, "created_at__lt": end},
         )
         for q in scopes.tag_quotas
     ]

@@ -275,22 +275,28 @@ class TokenLog(models.Model):
         REFUSED = "refused"
 
     request_id = models.CharField(max_length=64, unique=True)
-    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="token_logs")
+    # Every row is written at gateway rates and each index is written with it (migration 0019): a
+    # foreign key that leads a (column, created_at) index below has no index of its own, and the
+    # keys most rows leave empty (team, API key, fallback) are indexed only where they are set.
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="token_logs",
+                             db_index=False)
     # The feature that served the request (its caps, provider and price counted it) …
-    feature = models.ForeignKey(Feature, null=True, on_delete=models.PROTECT, related_name="token_logs")
+    feature = models.ForeignKey(Feature, null=True, on_delete=models.PROTECT, related_name="token_logs", db_index=False)
     # … and, when the guard fell back to it, the feature the client asked for; empty when they are the same.
     requested_feature = models.ForeignKey(
-        Feature, null=True, blank=True, on_delete=models.PROTECT, related_name="fallback_token_logs"
+        Feature, null=True, blank=True, on_delete=models.PROTECT, related_name="fallback_token_logs", db_index=False
     )
-    provider = models.ForeignKey(Provider, null=True, on_delete=models.PROTECT, related_name="token_logs")
+    provider = models.ForeignKey(Provider, null=True, on_delete=models.PROTECT, related_name="token_logs", db_index=False)
     price = models.ForeignKey(ModelPrice, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
     model = models.CharField(max_length=200)
     loop_id = models.CharField(max_length=64, blank=True)
     # The scopes beyond the user that counted this request when it was admitted, so that a counter
     # rebuilt from the ledger counts exactly what the guard counted: the user's team then, the API
     # key it came with, and its tags (stored as ",a,b,": tags_text()).
-    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.SET_NULL, related_name="token_logs")
-    api_key = models.ForeignKey("accounts.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="token_logs")
+    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.SET_NULL, related_name="token_logs",
+                             db_index=False)
+    api_key = models.ForeignKey("accounts.ApiKey", null=True, blank=True, on_delete=models.SET_NULL,
+                                related_name="token_logs", db_index=False)
     tags = models.CharField(max_length=300, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices)
     finish_reason = models.CharField(max_length=16, blank=True)
@@ -332,8 +338,15 @@ class TokenLog(models.Model):
             models.Index(fields=["status", "created_at"]),
             models.Index(fields=["provider", "created_at"]),
             models.Index(fields=["loop_id"], condition=~models.Q(loop_id=""), name="tokenlog_loop_idx"),
-            models.Index(fields=["team", "created_at"], name="tokenlog_team_idx"),
-            models.Index(fields=["api_key", "created_at"], name="tokenlog_api_key_idx"),
+            models.Index(fields=["team", "created_at"], condition=models.Q(team__isnull=False), name="tokenlog_team_set_idx"),
+            models.Index(
+                fields=["api_key", "created_at"], condition=models.Q(api_key__isnull=False), name="tokenlog_api_key_set_idx"
+            ),
+            # Deleting a feature checks that no row fell back from it (PROTECT): those rows are few.
+            models.Index(
+                fields=["requested_feature"], condition=models.Q(requested_feature__isnull=False),
+                name="tokenlog_requested_feature_idx",
+            ),
             models.Index(
                 fields=["refusal_code", "created_at"], condition=~models.Q(refusal_code=""), name="tokenlog_refusal_idx"
             ),

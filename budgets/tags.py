@@ -14,3 +14,13 @@ def tags_text(tags) -> str:
     A filter on one tag is then `tags__contains=",support,"` on SQLite and PostgreSQL alike.
     """
     return f",{','.join(tags)}," if tags else ""
+
+
+def tag_filter(tag: str) -> dict[str, str]:
+    """The filter of a tag's ledger rows: `tags__contains` its ",name,", and `tags > ''`, which it
+    implies, said outright so that PostgreSQL may use the trigram index, built only on the rows that
+    carry tags (migration 0020: most rows carry none, and each would cost every write an entry)."""
+    return {"tags__contains": tags_text([tag]), **TAGGED}
+
+
+TAGGED = {"tags__gt": ""}  # "" sorts first in every collation: tags > '' ⇔ the row has tags

@@ -265,7 +265,8 @@ def _capped_team_key_and_tag(name: str, user) -> tuple[object, tuple[str, ...]]:
 
 
 def _delete_guard_run(name: str, user, feature: Feature, provider: Provider) -> None:
-    rows = TokenLog.objects.filter(request_id__startswith=f"{name}-")
+    # Through the user's (user, created_at) index: request ids have no prefix index (migration 0019).
+    rows = TokenLog.objects.filter(user=user, request_id__startswith=f"{name}-")
     request_ids = list(rows.values_list("request_id", flat=True))
     counter_keys = {key for keys in rows.values_list("counter_keys", flat=True) for key in keys}
     store = guard.counter_store()

@@ -29,7 +29,7 @@ from accounts.management.database import DatabaseCommand
 from budgets.guard import SETTLED, ledger_snapshot
 from budgets.models import Period, TokenLog
 from budgets.periods import period_bounds
-from budgets.tags import tags_text
+from budgets.tags import tag_filter, tags_text
 
 INDEX = "tokenlog_tags_trgm_idx"
 TAG = "support"
@@ -79,7 +79,7 @@ class Command(DatabaseCommand):
 
     def _measure(self, rows: int, tagged_every: int, repeat: int) -> dict:
         start, end = period_bounds(Period.MONTH, timezone.now())
-        ledger_filter = {"tags__contains": tags_text([TAG]), "created_at__gte": start, "created_at__lt": end}
+        ledger_filter = {**tag_filter(TAG), "created_at__gte": start, "created_at__lt": end}
         with_index = _timed(ledger_filter, repeat)
         plan_with = _plan(ledger_filter)
         with transaction.atomic():
