@@ -49,7 +49,7 @@ class BlockManager:
 
     def allocate(self, seq: Sequence) -> bool:
         """Give the request every block it can need, reusing shared prefix blocks; False if they don't fit."""
-        matched, chain = self._shared_prefix(seq)
+        matched = self._shared_prefix(seq)
         fresh = self.blocks_for(seq.reserved_tokens) - len(matched)
         revived = sum(1 for block in matched if self.refs[block] == 0)
         if fresh > len(self.free) - revived:
@@ -60,7 +60,7 @@ class BlockManager:
             self.refs[block] += 1
         seq.block_table = matched + [self._take_free_block() for _ in range(fresh)]
         seq.computed = len(matched) * self.page_size
-        seq.hashed_blocks, seq.last_hash = len(matched), chain
+        seq.hashed_blocks = len(matched)
         self.shared_tokens += seq.computed
         self._promise(seq)
         return True
@@ -78,7 +78,7 @@ class BlockManager:
         compute: admitting it later shares that block instead of computing it twice."""
         if not self.pending:
             return False
-        for chain in self._prompt_chains(seq):
+        for chain in self._shareable_chains(seq):
             if chain in self.pending:
                 return True
             if chain not in self.block_of_hash:
@@ -90,17 +90,18 @@ class BlockManager:
         if not self.prefix_sharing:
             return
         full = min(seq.computed, len(seq.prompt)) // self.page_size
+        chains = self._prompt_chains(seq)
         while seq.hashed_blocks < full:
             index = seq.hashed_blocks
             tokens = tuple(seq.prompt[index * self.page_size : (index + 1) * self.page_size])
-            chain = hash((seq.last_hash, tokens))
+            chain = chains[index]
             block = seq.block_table[index]
             if chain not in self.block_of_hash:
                 self.block_of_hash[chain] = block
                 self.key_of_block[block] = (chain, tokens)
             if self.pending.get(chain) is seq:
                 del self.pending[chain]
-            seq.hashed_blocks, seq.last_hash = index + 1, chain
+            seq.hashed_blocks = index + 1
         if full == len(seq.prompt) // self.page_size:
             self._forget_promises(seq)  # its prompt is computed: whatever it promised is kept or moot
 
@@ -108,41 +109,44 @@ class BlockManager:
         """Mark the request's shareable prompt blocks that nobody has computed as about to be."""
         if not self.prefix_sharing:
             return
-        for chain in self._prompt_chains(seq)[seq.hashed_blocks :]:
+        for chain in self._shareable_chains(seq)[seq.hashed_blocks :]:
             if chain not in self.block_of_hash:
                 self.pending.setdefault(chain, seq)
 
     def _forget_promises(self, seq: Sequence) -> None:
         if self.pending:
-            for chain in self._prompt_chains(seq):
+            for chain in self._shareable_chains(seq):
                 if self.pending.get(chain) is seq:
                     del self.pending[chain]
 
     def _prompt_chains(self, seq: Sequence) -> list[int]:
-        """The hash chain after each shareable prompt block (computed once per request)."""
+        """The hash chain after each full prompt block (computed once per request): the same block of
+        tokens after a different prefix holds different KV, so each hash covers the blocks before it."""
         if seq.prompt_chains is None:
             chains, chain = [], None
-            for index in range((len(seq.prompt) - 1) // self.page_size):
+            for index in range(len(seq.prompt) // self.page_size):
                 chain = hash((chain, tuple(seq.prompt[index * self.page_size : (index + 1) * self.page_size])))
                 chains.append(chain)
             seq.prompt_chains = chains
         return seq.prompt_chains
 
-    def _shared_prefix(self, seq: Sequence) -> tuple[list[int], int | None]:
+    def _shareable_chains(self, seq: Sequence) -> list[int]:
+        """The chains of the blocks another request may share: never the block of the last prompt token."""
+        return self._prompt_chains(seq)[: (len(seq.prompt) - 1) // self.page_size]
+
+    def _shared_prefix(self, seq: Sequence) -> list[int]:
+        """The computed blocks that hold the request's leading shareable prompt blocks."""
         matched: list[int] = []
-        chain = None
         if not self.prefix_sharing:
-            return matched, chain
+            return matched
         prompt = seq.prompt
-        # never the block of the last prompt token (_prompt_chains stops before it)
-        for index, candidate in enumerate(self._prompt_chains(seq)):
+        for index, candidate in enumerate(self._shareable_chains(seq)):
             tokens = tuple(prompt[index * self.page_size : (index + 1) * self.page_size])
             block = self.block_of_hash.get(candidate)
             if block is None or self.key_of_block.get(block) != (candidate, tokens):
                 break
             matched.append(block)
-            chain = candidate
-        return matched, chain
+        return matched
 
     def _take_free_block(self) -> int:
         block, _ = self.free.popitem(last=False)

@@ -24,8 +24,7 @@ class Sequence:
     computed: int = 0
     status: str = WAITING
     hashed_blocks: int = 0  # leading full blocks registered for prefix sharing
-    last_hash: int | None = None  # the hash chain's value after those blocks
-    prompt_chains: list[int] | None = None  # the chain after each shareable prompt block (blocks.py)
+    prompt_chains: list[int] | None = None  # the hash chain after each full prompt block (blocks.py)
     error: str | None = None
     sampling: Sampling = GREEDY
     generator: object = None  # a torch.Generator of its own when it samples (see sampler.py)
