@@ -243,7 +243,7 @@ def stack_env(engine_options: dict, stream_interval: int) -> dict[str, str]:
         "CEILING_COMPILE_DECODE": "1" if engine_options["compile_buckets"] else "0",
         "CEILING_COMPILE_BUCKETS": ",".join(map(str, engine_options["compile_buckets"] or settings.CEILING_COMPILE_BUCKETS)),
         "CEILING_STREAM_INTERVAL": str(stream_interval),
-        "CEILING_Q4_WIDE_BF16": "1" if engine_options.get("q4_wide_bf16") else "0",
+        "CEILING_Q4_WIDE_BF16": "1" if engine_options["q4_wide_bf16"] else "0",
     }
 
 
