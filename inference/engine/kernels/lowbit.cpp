@@ -33,6 +33,13 @@
 #include <cstdint>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#else
+inline int omp_get_thread_num() { return 0; }
+inline int omp_get_num_threads() { return 1; }
+#endif
+
 #if defined(__AVX512F__) && defined(__F16C__)
 #include <immintrin.h>
 #define CEILING_AVX512 1
@@ -66,11 +73,17 @@ struct QuantizedRows {
   std::vector<float> scales;  // [rows, chunks, 16]
   std::vector<float> sums;    // [rows, chunks, 16]: a quarter of the group's Σx in each of its lanes
 
-  QuantizedRows(const float* x, int64_t rows, int64_t k)
-      : chunks((k / kGroup + kChunk - 1) / kChunk),
-        codes(rows * chunks * 128, 0),
-        scales(rows * chunks * 16, 0.f),
-        sums(rows * chunks * 16, 0.f) {
+  QuantizedRows() : chunks(0) {}
+  QuantizedRows(const float* x, int64_t rows, int64_t k) { assign(x, rows, k); }
+
+  // Quantizes x[rows, k] into these buffers, reusing their memory (the stack quantizes four
+  // inputs a layer into one per thread). The padding past a row's last group is zero: the 4-bit
+  // loop multiplies it by masked (zero) weights, and garbage there could be a NaN.
+  void assign(const float* x, int64_t rows, int64_t k) {
+    chunks = (k / kGroup + kChunk - 1) / kChunk;
+    codes.assign(rows * chunks * 128, 0);
+    scales.assign(rows * chunks * 16, 0.f);
+    sums.assign(rows * chunks * 16, 0.f);
     const int64_t groups = k / kGroup;
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t g = 0; g < groups; ++g) {
@@ -400,22 +413,49 @@ inline void prefetch_row(const void* codes, int64_t code_bytes, const void* scal
 // Output rows per task: enough work to pay for handing it to a thread, small enough to split evenly.
 constexpr int64_t kGrain = 16;
 
-// Calls block(first input row, its tile R, first output row o, O) over every output row in blocks
-// of O (4 for a lone input row, 2 for two, else 1; singles where a range ends), kGrain output rows
-// at a time through every tile of input rows while their weights are in cache, the tasks of
-// `task_grain` output rows spread over torch's threads.
+// Calls block(first input row, its tile R, first output row o, O) over output rows [begin, end) in
+// blocks of O (4 for a lone input row, 2 for two, else 1; singles where a range ends), kGrain
+// output rows at a time through every tile of input rows while their weights are in cache.
+template <typename Block>
+void over_output_range(int64_t begin, int64_t end, int64_t rows, Block&& block) {
+  for (int64_t from = begin; from < end; from += kGrain) {
+    const int64_t to = std::min(end, from + kGrain);
+    over_row_tiles(rows, [&](int64_t first, auto tile) {
+      constexpr int R = decltype(tile)::value, O = R == 1 ? 4 : (R == 2 ? 2 : 1);
+      int64_t o = from;
+      for (; o + O <= to; o += O) block(first, tile, o, std::integral_constant<int, O>{});
+      for (; o < to; ++o) block(first, tile, o, std::integral_constant<int, 1>{});
+    });
+  }
+}
+
+// over_output_range over every output row, the tasks of `task_grain` output rows spread over torch's threads.
 template <typename Block>
 void over_output_blocks(int64_t n, int64_t rows, int64_t task_grain, Block&& block) {
-  at::parallel_for(0, n, task_grain, [&](int64_t begin, int64_t end) {
-    for (int64_t from = begin; from < end; from += kGrain) {
-      const int64_t to = std::min(end, from + kGrain);
-      over_row_tiles(rows, [&](int64_t first, auto tile) {
-        constexpr int R = decltype(tile)::value, O = R == 1 ? 4 : (R == 2 ? 2 : 1);
-        int64_t o = from;
-        for (; o + O <= to; o += O) block(first, tile, o, std::integral_constant<int, O>{});
-        for (; o < to; ++o) block(first, tile, o, std::integral_constant<int, 1>{});
-      });
-    }
+  at::parallel_for(0, n, task_grain, [&](int64_t begin, int64_t end) { over_output_range(begin, end, rows, block); });
+}
+
+// A 4-bit weight's raw layout (q4_linear's codes and scales_and_mins), read without touching a tensor.
+struct Q4Weights {
+  const uint8_t* codes;
+  const at::Half* scales;
+  int64_t n, k;
+
+  int64_t groups() const { return k / kGroup; }
+  int64_t row_bytes() const { return k / 2; }
+  int64_t row_scales() const { return (groups() + kChunk - 1) / kChunk * 8; }
+};
+
+// Output rows [begin, end) of x·Wᵀ for the quantized input rows xq, into out[rows, w.n].
+void q4_rows(const QuantizedRows& xq, int64_t rows, const Q4Weights& w, int64_t begin, int64_t end, float* out) {
+  const int64_t row_bytes = w.row_bytes(), row_scales = w.row_scales(), groups = w.groups();
+  over_output_range(begin, end, rows, [&](int64_t first, auto tile, int64_t o, auto block) {
+    constexpr int R = decltype(tile)::value, O = decltype(block)::value;
+    if (first == 0)  // later input rows find these weights in cache
+      prefetch_row(w.codes + (o + kPrefetchRows) * row_bytes, O * row_bytes,
+                   w.scales + (o + kPrefetchRows) * row_scales, O * row_scales * 2);
+    q4_block<R, O>(xq, first, groups, w.codes + o * row_bytes, row_bytes, w.scales + o * row_scales, row_scales,
+                   out + first * w.n + o, w.n);
   });
 }
 
@@ -432,19 +472,9 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t rows = x.size(0);
   at::Tensor out = at::empty({rows, n}, x.options());
   const QuantizedRows xq(x.data_ptr<float>(), rows, k);
-  const uint8_t* all_codes = codes.data_ptr<uint8_t>();
-  const at::Half* all_scales = scales_and_mins.data_ptr<at::Half>();
+  const Q4Weights weights{codes.data_ptr<uint8_t>(), scales_and_mins.data_ptr<at::Half>(), n, k};
   float* result = out.data_ptr<float>();
-  const int64_t row_bytes = k / 2, row_scales = chunks * 8;
-  // Output rows per block: 4 for a lone input row, fewer as input rows add accumulators.
-  over_output_blocks(n, rows, kGrain, [&](int64_t first, auto tile, int64_t o, auto block) {
-    constexpr int R = decltype(tile)::value, O = decltype(block)::value;
-    if (first == 0)  // later input rows find these weights in cache
-      prefetch_row(all_codes + (o + kPrefetchRows) * row_bytes, O * row_bytes,
-                   all_scales + (o + kPrefetchRows) * row_scales, O * row_scales * 2);
-    q4_block<R, O>(xq, first, groups, all_codes + o * row_bytes, row_bytes, all_scales + o * row_scales, row_scales,
-                   result + first * n + o, n);
-  });
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) { q4_rows(xq, rows, weights, begin, end, result); });
   return out;
 }
 
@@ -729,11 +759,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 // (inductor) the arithmetic took ~5 ms of a ~7.4 ms step on a 2-core EPYC and the rest went to
 // calling: dynamo's entry, Python between the custom ops, and inductor's own small loops, each an
 // OpenMP fork and join. DecodeStack holds every layer's weights and caches once and runs the
-// whole step in C++: the norms, rotary, cache writes and activation are loops over a few thousand
-// floats on the calling thread, and threads wake only for the products and the attention, as in
-// llama.cpp. It serves the decode steps of engines whose block linears are all 4-bit on these
-// kernels with an fp32 cache (inference/engine/owned/stack.py); the lm_head stays in Python, where
-// its own routing lives.
+// whole step in C++, in one parallel region whose threads meet at a barrier after each product,
+// as llama.cpp's graph does: the norms, rotary, cache writes and activation are loops over a few
+// thousand floats that every thread repeats for itself. It serves the decode steps of engines
+// whose block linears are all 4-bit on these kernels with an fp32 cache
+// (inference/engine/owned/stack.py); the lm_head stays in Python, where its own routing lives.
 
 // out = x · rsqrt(mean(x²) + eps) · weight, per row of `width` floats (transformers' LlamaRMSNorm).
 void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t width, float eps, float* out) {
@@ -790,21 +820,30 @@ void silu_times(const float* gate, const float* up, int64_t count, float* out) {
   for (; i < count; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
 
-// A 4-bit linear of the stack: codes, scales and an optional bias (empty when the layer has none).
+// A 4-bit linear of the stack: its weights' raw layout and an optional bias (null when the layer
+// has none), read without touching a tensor inside the step's parallel region. The tensors are
+// kept so the memory stays alive.
 struct StackLinear {
   at::Tensor codes, scales, bias;
+  Q4Weights weights;
+  const float* bias_values;
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    at::Tensor out = q4_linear(x, codes, scales);
-    if (bias.numel()) {
-      float* values = out.data_ptr<float>();
-      const float* b = bias.data_ptr<float>();
-      const int64_t n = out.size(1);
-      for (int64_t r = 0; r < out.size(0); ++r)
+  StackLinear(at::Tensor codes_, at::Tensor scales_, at::Tensor bias_)
+      : codes(codes_), scales(scales_), bias(bias_),
+        weights{codes_.data_ptr<uint8_t>(), scales_.data_ptr<at::Half>(), codes_.size(0), codes_.size(1) * 2},
+        bias_values(bias_.numel() ? bias_.data_ptr<float>() : nullptr) {}
+
+  // This thread's share of out[rows, n] = x·Wᵀ (+ bias): an even split of the output rows, as
+  // at::parallel_for would hand them out, so that each thread reads its own part of the weights.
+  void share(const QuantizedRows& xq, int64_t rows, float* out, int thread, int threads) const {
+    const int64_t n = weights.n, parts = std::min<int64_t>(threads, (n + kGrain - 1) / kGrain);
+    const int64_t each = (n + parts - 1) / parts, begin = thread * each, end = std::min(n, begin + each);
+    if (begin >= end) return;
+    q4_rows(xq, rows, weights, begin, end, out);
+    if (bias_values == nullptr) return;
+    for (int64_t r = 0; r < rows; ++r)
 #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) values[r * n + i] += b[i];
-    }
-    return out;
+      for (int64_t i = begin; i < end; ++i) out[r * n + i] += bias_values[i];
   }
 };
 
@@ -817,6 +856,11 @@ struct StackLayer {
   at::Tensor input_norm, post_norm;
   StackLinear qkv, o, gate_up, down;
   at::Tensor k_cache, v_cache;  // [slots, kv_heads, head_dim] fp32, shared with the runner
+  // The same memory as raw pointers, for the step's parallel region (which touches no tensor).
+  const float* input_norm_values;
+  const float* post_norm_values;
+  float* k_values;
+  float* v_values;
 };
 
 class DecodeStack : public torch::CustomClassHolder {
@@ -836,6 +880,7 @@ class DecodeStack : public torch::CustomClassHolder {
     dim_ = cos.size(1);
     TORCH_CHECK(dim_ % 2 == 0, "DecodeStack: head_dim must be even");
     check_vector(final_norm, hidden_, "final_norm");
+    final_norm_values_ = final_norm.data_ptr<float>();
   }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor qkv_codes, at::Tensor qkv_scales,
@@ -861,15 +906,27 @@ class DecodeStack : public torch::CustomClassHolder {
                 "DecodeStack: the caches must be contiguous [slots, kv_heads, head_dim] float32 tensors");
     TORCH_CHECK(layers_.empty() || k_cache.size(0) == layers_.front().k_cache.size(0),
                 "DecodeStack: every layer's cache must hold the same slots");
+    TORCH_CHECK(layers_.empty() || down_codes.size(1) == layers_.front().down.codes.size(1),
+                "DecodeStack: every layer must have the same intermediate size");
     const at::Tensor no_bias = at::empty({0}, embed_.options());  // only q|k|v carries one (Qwen2's)
     layers_.push_back({input_norm, post_norm, {qkv_codes, qkv_scales, qkv_bias}, {o_codes, o_scales, no_bias},
-                       {gate_up_codes, gate_up_scales, no_bias}, {down_codes, down_scales, no_bias}, k_cache, v_cache});
+                       {gate_up_codes, gate_up_scales, no_bias}, {down_codes, down_scales, no_bias}, k_cache, v_cache,
+                       input_norm.data_ptr<float>(), post_norm.data_ptr<float>(), k_cache.data_ptr<float>(),
+                       v_cache.data_ptr<float>()});
   }
 
   // The decode step of rows r = 0…B-1: token tokens[r] at position lengths[r] - 1, its K and V
   // written to that position's slot, attending over positions 0…lengths[r]-1 of its block table
   // (block_tables[r], page_size slots per block). Returns the final-normed hidden states [B, hidden]
   // (the lm_head's input).
+  //
+  // The whole step is one parallel region: torch's threads are woken once, not for each of the
+  // ~150 products and attentions (each an OpenMP fork and join), and meet at a barrier after each
+  // product. Every thread keeps its own copy of the residual stream and computes the norms, the
+  // activation and the input's int8 quantization itself: a few thousand floats, cheaper to repeat
+  // than to hand over through another barrier. The products split their output rows evenly, the
+  // attention hands out one (row, KV head) at a time, each rotating its own heads and writing its
+  // own K and V first.
   at::Tensor step(at::Tensor tokens, at::Tensor lengths, at::Tensor block_tables) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers added");
     const int64_t rows = tokens.size(0);
@@ -880,49 +937,80 @@ class DecodeStack : public torch::CustomClassHolder {
                 "DecodeStack.step: tokens and lengths must be [rows] int64, block_tables [rows, blocks] int64");
     const int64_t* length = lengths.data_ptr<int64_t>();
     const int64_t* token = tokens.data_ptr<int64_t>();
+    const int64_t vocab = embed_.size(0);
+    for (int64_t r = 0; r < rows; ++r)
+      TORCH_CHECK(token[r] >= 0 && token[r] < vocab, "DecodeStack.step: token ", token[r], " is not in the vocabulary");
     const int64_t longest = *std::max_element(length, length + rows);
-    std::vector<int64_t> slots = read_slots(block_tables, length, rows, longest);
+    const std::vector<int64_t> slots = read_slots(block_tables, length, rows, longest);
 
     const int64_t hidden = hidden_, dim = dim_, q_width = heads_ * dim, kv_width = kv_heads_ * dim;
-    const int64_t qkv_width = q_width + 2 * kv_width;
-    const auto options = embed_.options();
-    at::Tensor state = at::empty({rows, hidden}, options), normed = at::empty({rows, hidden}, options);
-    at::Tensor attended = at::empty({rows, q_width}, options);
-    float* h = state.data_ptr<float>();
-    float* x = normed.data_ptr<float>();
-    const int64_t vocab = embed_.size(0);
-    for (int64_t r = 0; r < rows; ++r) {
-      TORCH_CHECK(token[r] >= 0 && token[r] < vocab, "DecodeStack.step: token ", token[r], " is not in the vocabulary");
-      std::copy_n(embed_.data_ptr<float>() + token[r] * hidden, hidden, h + r * hidden);
-    }
-    for (const StackLayer& layer : layers_) {
-      rms_norm_rows(h, layer.input_norm.data_ptr<float>(), rows, hidden, eps_, x);
-      at::Tensor qkv = layer.qkv(normed);
-      float* q = qkv.data_ptr<float>();
-      float* keys = layer.k_cache.data_ptr<float>();
-      float* values = layer.v_cache.data_ptr<float>();
-      for (int64_t r = 0; r < rows; ++r) {
-        float* row = q + r * qkv_width;
-        const int64_t position = length[r] - 1, slot = slots[r * longest + position];
-        rotate_heads(row, heads_ + kv_heads_, dim, cos_.data_ptr<float>() + position * dim,
-                     sin_.data_ptr<float>() + position * dim);
-        std::copy_n(row + q_width, kv_width, keys + slot * kv_width);
-        std::copy_n(row + q_width + kv_width, kv_width, values + slot * kv_width);
+    const int64_t qkv_width = q_width + 2 * kv_width, group = heads_ / kv_heads_;
+    const int64_t intermediate = layers_.front().down.weights.k, widest = std::max(hidden, intermediate);
+    const int team = std::max(1, at::get_num_threads());
+    // Written by the products' shares, read by every thread after the barrier that follows them.
+    std::vector<float> qkv(rows * qkv_width), attended(rows * q_width), o_out(rows * hidden),
+        gate_up(rows * 2 * intermediate), down_out(rows * hidden);
+    // Each thread's own: the residual stream, a product's input and its int8 codes, attention scores.
+    std::vector<float> residual(team * rows * hidden), input(team * rows * widest), scores(team * group * longest);
+    std::vector<QuantizedRows> quantized(team);
+    at::Tensor normed = at::empty({rows, hidden}, embed_.options());
+    float* result = normed.data_ptr<float>();
+    const float* embed = embed_.data_ptr<float>();
+    const float* cos = cos_.data_ptr<float>();
+    const float* sin = sin_.data_ptr<float>();
+    const float scale = 1.f / std::sqrt(static_cast<float>(dim));
+
+#pragma omp parallel num_threads(team)
+    {
+      const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
+      float* h = residual.data() + thread * rows * hidden;
+      float* x = input.data() + thread * rows * widest;
+      float* own_scores = scores.data() + thread * group * longest;
+      QuantizedRows& xq = quantized[thread];
+      for (int64_t r = 0; r < rows; ++r) std::copy_n(embed + token[r] * hidden, hidden, h + r * hidden);
+      for (size_t index = 0; index < layers_.size(); ++index) {
+        const StackLayer& layer = layers_[index];
+        if (index > 0) add_into(h, down_out.data(), rows * hidden);
+        rms_norm_rows(h, layer.input_norm_values, rows, hidden, eps_, x);
+        xq.assign(x, rows, hidden);
+        layer.qkv.share(xq, rows, qkv.data(), thread, threads);
+#pragma omp barrier
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < rows * kv_heads_; ++task) {
+          const int64_t r = task / kv_heads_, g = task % kv_heads_;
+          const int64_t position = length[r] - 1, slot = slots[r * longest + position];
+          float* row = qkv.data() + r * qkv_width;
+          float* key = row + q_width + g * dim;
+          float* value = row + q_width + kv_width + g * dim;
+          rotate_heads(row + g * group * dim, group, dim, cos + position * dim, sin + position * dim);
+          rotate_heads(key, 1, dim, cos + position * dim, sin + position * dim);
+          std::copy_n(key, dim, layer.k_values + slot * kv_width + g * dim);
+          std::copy_n(value, dim, layer.v_values + slot * kv_width + g * dim);
+          attend_one_kv_head(row + g * group * dim, layer.k_values + g * dim, layer.v_values + g * dim, kv_width,
+                             slots.data() + r * longest, length[r], group, dim, scale, own_scores, longest,
+                             attended.data() + r * q_width + g * group * dim);
+        }  // the loop's own barrier: every head attended
+        xq.assign(attended.data(), rows, q_width);
+        layer.o.share(xq, rows, o_out.data(), thread, threads);
+#pragma omp barrier
+        add_into(h, o_out.data(), rows * hidden);
+        rms_norm_rows(h, layer.post_norm_values, rows, hidden, eps_, x);
+        xq.assign(x, rows, hidden);
+        layer.gate_up.share(xq, rows, gate_up.data(), thread, threads);
+#pragma omp barrier
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* both = gate_up.data() + r * 2 * intermediate;
+          silu_times(both, both + intermediate, intermediate, x + r * intermediate);
+        }
+        xq.assign(x, rows, intermediate);
+        layer.down.share(xq, rows, down_out.data(), thread, threads);
+#pragma omp barrier
       }
-      attend_rows(q, qkv_width, keys, values, kv_heads_, heads_, dim, slots.data(), longest, length, rows,
-                  attended.data_ptr<float>());
-      add_into(h, layer.o(attended).data_ptr<float>(), rows * hidden);
-      rms_norm_rows(h, layer.post_norm.data_ptr<float>(), rows, hidden, eps_, x);
-      at::Tensor gate_up = layer.gate_up(normed);
-      const int64_t intermediate = gate_up.size(1) / 2;
-      at::Tensor activated = at::empty({rows, intermediate}, options);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* both = gate_up.data_ptr<float>() + r * 2 * intermediate;
-        silu_times(both, both + intermediate, intermediate, activated.data_ptr<float>() + r * intermediate);
+      if (thread == 0) {
+        add_into(h, down_out.data(), rows * hidden);
+        rms_norm_rows(h, final_norm_values_, rows, hidden, eps_, result);
       }
-      add_into(h, layer.down(activated).data_ptr<float>(), rows * hidden);
     }
-    rms_norm_rows(h, final_norm_.data_ptr<float>(), rows, hidden, eps_, x);
     return normed;
   }
 
@@ -959,6 +1047,7 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   at::Tensor embed_, cos_, sin_, final_norm_;
+  const float* final_norm_values_ = nullptr;
   int64_t heads_, kv_heads_, page_, hidden_ = 0, dim_ = 0;
   float eps_;
   std::vector<StackLayer> layers_;

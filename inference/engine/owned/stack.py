@@ -5,7 +5,8 @@ A lone decode step through SmolLM2's 30 layers is ~150 kernel calls. As a compil
 calling them (dynamo's entry, Python between the custom ops, inductor's small loops each forking
 and joining OpenMP's threads). DecodeStack (inference/engine/kernels/lowbit.cpp) holds each
 layer's 4-bit weights, norms and KV cache once and runs the norms, rotary, cache writes,
-attention and activation itself; threads wake only for the products and the attention.
+attention and activation itself, the whole step in one parallel region (torch's threads woken once
+a step, meeting at a barrier after each product, not forked and joined ~150 times).
 
 It serves an engine whose block linears are all on Ceiling's 4-bit kernels with an fp32 cache
 (the q4 variant on a CPU), for decode-only steps of up to the rows the 4-bit route was measured
