@@ -75,6 +75,16 @@ def counter_store() -> CounterStore:
                         wait_timeout_ms=settings.CEILING_COUNTERS_WAIT_MS)
 
 
+def provider_month_key(provider_id: int, at: datetime) -> str:
+    """The counter of a provider's spend in the month of `at` (its monthly limit's ceiling)."""
+    return f"ceiling:c:provider:{provider_id}:month:{period_key(Period.MONTH, at)}"
+
+
+def team_key(team_id: int, feature_id: int | None, period: str, pkey: str) -> str:
+    """The counter of a team's quota on all features (feature_id None) or on one, in one period."""
+    return f"ceiling:c:team:{team_id}:{'all' if feature_id is None else f'f{feature_id}'}:{period}:{pkey}"
+
+
 # --- which ceilings apply ------------------------------------------------------------------------
 
 
@@ -179,7 +189,7 @@ def applicable_ceilings(
         ceilings.append(
             Ceiling(
                 CounterSpec(
-                    f"ceiling:c:provider:{provider.pk}:month:{period_key(Period.MONTH, at)}",
+                    provider_month_key(provider.pk, at),
                     Limits(cost_micro_usd=provider.monthly_limit_micro_usd),
                     ttl,
                 ),
@@ -237,13 +247,13 @@ def _team_ceilings(scopes: Scopes, feature: Feature, period: str, pkey: str, ttl
     quota = scopes.team_quota(None, period)
     if quota is not None:
         ceilings.append(Ceiling(
-            CounterSpec(f"ceiling:c:team:{team.pk}:all:{period}:{pkey}", _limits(quota), ttl),
+            CounterSpec(team_key(team.pk, None, period, pkey), _limits(quota), ttl),
             "team", period, f"your team {team.name!r}", {"team_id": team.pk, **window},
         ))
     quota = scopes.team_quota(feature, period) if feature is not None else None
     if quota is not None:
         ceilings.append(Ceiling(
-            CounterSpec(f"ceiling:c:team:{team.pk}:f{feature.pk}:{period}:{pkey}", _limits(quota), ttl),
+            CounterSpec(team_key(team.pk, feature.pk, period, pkey), _limits(quota), ttl),
             "team_feature", period, f"your team {team.name!r}",
             {"team_id": team.pk, "feature_id": feature.pk, **window},
             feature.name,

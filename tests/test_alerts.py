@@ -17,9 +17,11 @@ import pytest
 from aiosmtpd.controller import Controller
 from django.conf import settings as django_settings
 from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from budgets.alerts import AlertNotSent, check_provider_thresholds
+from budgets.guard import counter_store, provider_month_key
 from budgets.models import Alert, ModelPrice, Provider, TokenLog
 from budgets.money import format_usd
 from budgets.tasks import send_alert_email
@@ -82,12 +84,17 @@ def eager_tasks():
 
 @pytest.fixture
 def provider(transactional_db) -> Provider:
-    return Provider.objects.create(
+    provider = Provider.objects.create(
         name="local",
         monthly_limit_micro_usd=LIMIT,
         alert_thresholds=[50, 80, 100],
         alert_recipients=", ".join(RECIPIENTS),
     )
+    # Tests that write ledger rows themselves, past the guard, rely on the ledger being summed: no
+    # counter of an earlier run (a reused id in a Redis database kept between runs) may stand in.
+    store = counter_store()
+    store.client.delete(store.redis_key(provider_month_key(provider.pk, timezone.now())))
+    return provider
 
 
 def spend(provider: Provider, user, feature, cost_micro_usd: int, at: datetime | None = None) -> TokenLog:
@@ -295,6 +302,11 @@ def settle_an_eighty_cent_request(provider, user, feature) -> None:
     )
     feature.provider = provider
     feature.save(update_fields=["provider"])
+    settle_another_eighty_cent_request(user, feature)
+
+
+def settle_another_eighty_cent_request(user, feature) -> None:
+    """settle_an_eighty_cent_request again, on the price and provider it set up."""
     request_id = uuid.uuid4().hex
     decision = do_admit_request(
         request_id=request_id, user=user, feature=feature, model="m",
@@ -319,6 +331,43 @@ def test_settling_a_request_raises_the_alert(smtp, redis_db, provider, alice, ch
         (80, 800_000, 1_000_000),
     ]
     assert smtp.subjects() == [subject(50), subject(80)]
+
+
+def ledger_sums(queries: CaptureQueriesContext) -> int:
+    return sum('SUM("budgets_tokenlog"."cost_micro_usd")' in query["sql"] for query in queries.captured_queries)
+
+
+def test_the_ledger_is_summed_only_when_the_guards_counter_may_have_reached_a_new_threshold(smtp, redis_db, provider, alice,
+                                                                                          chat_feature):
+    # $2 a month; each request spends $0.80 (40%). Settling runs the alert check every time.
+    Provider.objects.filter(pk=provider.pk).update(monthly_limit_micro_usd=2_000_000)
+    settle_an_eighty_cent_request(provider, alice, chat_feature)  # the guard builds its counter from the ledger
+    with CaptureQueriesContext(connection) as first:
+        assert check_provider_thresholds(provider.id) == []
+    assert alerts() == [] and ledger_sums(first) == 0  # the counter says 40%: under 50, nothing summed
+
+    with CaptureQueriesContext(connection) as second:  # the counter is there: any sum is the alert check's
+        settle_another_eighty_cent_request(alice, chat_feature)
+    assert [(a.threshold, a.spent_micro_usd) for a in alerts()] == [(50, 1_600_000), (80, 1_600_000)]
+    assert ledger_sums(second) == 1
+
+    with CaptureQueriesContext(connection) as again:
+        assert check_provider_thresholds(provider.id) == []
+    assert ledger_sums(again) == 0  # 80%, and 50 and 80 are raised: only 100 is left
+    assert smtp.subjects() == [subject(50), subject(80)]
+
+
+def test_without_the_guards_counter_the_ledger_decides(smtp, redis_db, provider, alice, chat_feature):
+    Provider.objects.filter(pk=provider.pk).update(monthly_limit_micro_usd=2_000_000)
+    settle_an_eighty_cent_request(provider, alice, chat_feature)  # 40%, counted by the guard
+    spend(provider, alice, chat_feature, 400_000)  # 20% more the counter never saw (a row from a restore, say)
+    assert check_provider_thresholds(provider.id) == []  # the counter's 40% is under every threshold
+
+    store = counter_store()
+    store.client.delete(store.redis_key(provider_month_key(provider.pk, timezone.now())))
+    with CaptureQueriesContext(connection) as queries:
+        assert len(check_provider_thresholds(provider.id)) == 1
+    assert ledger_sums(queries) == 1 and [a.threshold for a in alerts()] == [50]  # 60% in the ledger
 
 
 def test_the_outbox_sweeper_queues_alerts_that_were_never_sent_once(transactional_db):
