@@ -179,3 +179,31 @@ def test_inputs_the_stack_cannot_serve_are_refused_with_the_reason_and_nothing_i
         runner_stack = stack.build(runner, runner.k_cache, runner.v_cache)
         runner_stack.step(torch.tensor(tokens), torch.tensor(lengths), torch.tensor(tables))
     assert all(torch.equal(cache, saved) for cache, saved in zip(runner.k_cache + runner.v_cache, before, strict=True))
+
+
+def test_weights_the_step_would_misread_are_refused_when_the_stack_is_built(llama):
+    runner = ModelRunner(llama, BLOCKS, PAGE, paged_attention=True)
+    qkv = runner.layers[0].linears[0]
+    short_scales = qkv.q4_scales_and_zeros[:-1]  # one output row's scales missing: the step would read past them
+    with pytest.raises(RuntimeError, match="scales_and_mins a contiguous"):
+        build_with(runner, qkv_scales=short_scales)
+    with pytest.raises(RuntimeError, match="same intermediate size"):
+        build_with(runner, layer=1, down_codes=runner.layers[1].linears[3].q4_weight[:, :-16],
+                   gate_up_codes=runner.layers[1].linears[2].q4_weight[:-64])
+
+
+def build_with(runner: ModelRunner, layer: int = 0, **replaced):
+    """stack.build's calls, with some of layer `layer`'s tensors replaced."""
+    built = torch.classes.ceiling.DecodeStack(runner.embed, runner.cos.contiguous(), runner.sin.contiguous(),
+                                              runner.final_norm, runner.heads, runner.kv_heads, runner.page_size,
+                                              float(runner.eps))
+    for index, (each, k_cache, v_cache) in enumerate(zip(runner.layers, runner.k_cache, runner.v_cache, strict=True)):
+        qkv, o, gate_up, down = each.linears
+        tensors = {"qkv_codes": qkv.q4_weight, "qkv_scales": qkv.q4_scales_and_zeros, "gate_up_codes": gate_up.q4_weight,
+                   "down_codes": down.q4_weight}
+        if index == layer:
+            tensors |= replaced
+        built.add_layer(each.input_norm, each.post_norm, tensors["qkv_codes"], tensors["qkv_scales"], torch.empty(0),
+                        o.q4_weight, o.q4_scales_and_zeros, tensors["gate_up_codes"], gate_up.q4_scales_and_zeros,
+                        tensors["down_codes"], down.q4_scales_and_zeros, k_cache, v_cache)
+    return built

@@ -831,7 +831,13 @@ struct StackLinear {
   StackLinear(at::Tensor codes_, at::Tensor scales_, at::Tensor bias_)
       : codes(codes_), scales(scales_), bias(bias_),
         weights{codes_.data_ptr<uint8_t>(), scales_.data_ptr<at::Half>(), codes_.size(0), codes_.size(1) * 2},
-        bias_values(bias_.numel() ? bias_.data_ptr<float>() : nullptr) {}
+        bias_values(bias_.numel() ? bias_.data_ptr<float>() : nullptr) {
+    // What q4_linear checks on every call, once: the step reads these without a check.
+    TORCH_CHECK(codes_.dim() == 2 && codes_.is_contiguous() && scales_.is_contiguous() &&
+                    weights.k % kGroup == 0 && scales_.numel() == weights.n * (weights.row_scales() / 8) * 8,
+                "DecodeStack: a linear's codes must be a contiguous [out, in/2] uint8 tensor (in a multiple of 32), "
+                "its scales_and_mins a contiguous [out, ceil(in/128), 8] float16 tensor");
+  }
 
   // This thread's share of out[rows, n] = x·Wᵀ (+ bias): an even split of the output rows, as
   // at::parallel_for would hand them out, so that each thread reads its own part of the weights.
