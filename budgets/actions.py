@@ -128,13 +128,17 @@ def do_record_usage(
         admitted = None
     if admitted is not None:
         price_id, created_at = admitted.price_id, admitted.created_at
+        reserved = (admitted.admitted, admitted.reserved_tokens, admitted.reserved_cost_micro_usd)
     else:
-        found = ledger_sql.select(("status", "price_id", "created_at"), "request_id", request_id)
+        found = ledger_sql.select(
+            ("status", "price_id", "created_at", "admitted", "reserved_tokens", "reserved_cost_micro_usd"), "request_id", request_id
+        )
         if found is None or found[0] != TokenLog.Status.RUNNING:
             return None
-        _, price_id, created_at = found
+        _, price_id, created_at, *reserved = found
     price = price_by_id(price_id) if price_id is not None else None
     cost = price.cost_micro_usd(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if price else 0
+    overshoot_tokens, overshoot_cost = overshoot(usage, cost, *reserved)
     total_ms = max(0, int((now - created_at).total_seconds() * 1000))
     values = {
         "status": status,
@@ -142,6 +146,8 @@ def do_record_usage(
         "completion_tokens": usage.completion_tokens,
         "cached_tokens": usage.cached_tokens,
         "cost_micro_usd": cost,
+        "overshoot_tokens": overshoot_tokens,
+        "overshoot_micro_usd": overshoot_cost,
         "finish_reason": finish_reason,
         "error": error[:500],
         "ttft_ms": ttft_ms,
@@ -156,6 +162,18 @@ def do_record_usage(
     if row is not None:
         publish_on_commit(request_id, row)
     return row
+
+
+def overshoot(usage: Usage, cost_micro_usd: int, admitted: bool, reserved_tokens: int, reserved_cost: int) -> tuple[int, int]:
+    """(tokens, micro-dollars) billed beyond what the guard reserved for an admitted request.
+
+    The bill stands (the money is spent); the excess is what the ceiling could not hold back, and
+    only a remote whose tokenizer or template counts more than its estimate can produce it.
+    """
+    if not admitted:
+        return 0, 0
+    used_tokens = usage.prompt_tokens + usage.completion_tokens
+    return max(0, used_tokens - reserved_tokens), max(0, cost_micro_usd - reserved_cost)
 
 
 def price_by_id(price_id: int) -> ModelPrice:

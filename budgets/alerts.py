@@ -158,6 +158,27 @@ def check_thresholds_after_settle(row: TokenLog) -> list[int]:
     return new_ids
 
 
+def raise_overshoot_alert(row: TokenLog) -> list[int]:
+    """Once per provider and day: a remote billed a request beyond its reservation. Logs, never raises.
+
+    The excess is billed and on the row; the provider's estimate has risen already (the worker
+    learns it as it settles), so this says that the ceiling leaked by that much, once.
+    """
+    if row.provider_id is None or not (row.overshoot_tokens or row.overshoot_micro_usd):
+        return []
+    try:
+        return _raise_overshoot_alert(row)
+    except Exception:
+        log.exception("overshoot alert failed for %s", row.request_id)
+        return []
+
+
+def _raise_overshoot_alert(row: TokenLog) -> list[int]:
+    day = period_key(Period.DAY, timezone.localtime(row.created_at))
+    return _raised(kind=Alert.Kind.OVERSHOOT, scope=provider_scope(row.provider), threshold=0, period_key=day,
+                   spent_micro_usd=row.cost_micro_usd, limit_micro_usd=row.reserved_cost_micro_usd)
+
+
 def check_spend_forecasts(at: datetime | None = None) -> list[int]:
     """Raise a projected alert for every cost cap that runs out early at this rate (once per period
     and scope), and a spike alert for every scope whose day is above 3x its median (once a day); new ids.
@@ -300,6 +321,8 @@ def alert_email(alert: Alert) -> tuple[str, str]:
         return projected_text(alert)
     if alert.kind == Alert.Kind.SPIKE:
         return spike_text(alert)
+    if alert.kind == Alert.Kind.OVERSHOOT:
+        return overshoot_text(alert)
     return threshold_text(alert)
 
 
@@ -353,6 +376,23 @@ def spike_text(alert: Alert) -> tuple[str, str]:
         f"day of the 7 before it ({format_usd(alert.limit_micro_usd)}).",
         "",
         "You get this once per day at most.",
+    ]
+    return subject, "\n".join(lines) + "\n"
+
+
+def overshoot_text(alert: Alert) -> tuple[str, str]:
+    what = describe_scope(alert.scope)
+    subject = f"[Ceiling] {what} billed beyond a reservation on {alert.period_key}"
+    excess = max(0, alert.spent_micro_usd - alert.limit_micro_usd)
+    lines = [
+        f"The {what} billed a request {format_usd(alert.spent_micro_usd)}, {format_usd(excess)} more than the "
+        f"{format_usd(alert.limit_micro_usd)} reserved for it before it was sent.",
+        "",
+        "Its prompt counted more tokens than Ceiling's estimate (its tokenizer or chat template adds more than",
+        "the shipped tokenizer counts). The estimate for this provider and model has been raised to cover it, so the",
+        "requests after it are reserved in full. The excess is on the token log (overshoot) and in /metrics.",
+        "",
+        "You get this once per provider and day at most.",
     ]
     return subject, "\n".join(lines) + "\n"
 

@@ -179,11 +179,18 @@ class FeatureForm(forms.ModelForm):
             "name", "description", "enabled", "mode", "max_input_tokens", "max_output_tokens", "provider",
             "fallback", "cache_ttl_s", "semantic_threshold", "cache_shared",
         ]
-        labels = {"cache_ttl_s": "Answer cache TTL (seconds)", "semantic_threshold": "Semantic cache threshold"}
+        labels = {"cache_ttl_s": "Answer cache TTL (seconds)", "semantic_threshold": "Semantic cache threshold",
+                  "cache_shared": "Share cached answers across users"}
         help_texts = {
             "name": "What clients send as \"feature\": lowercase letters, digits, - and _. Renaming breaks clients that use the old name.",
             "max_input_tokens": "Longer prompts are refused.",
             "max_output_tokens": "The most tokens one answer may have.",
+            "cache_ttl_s": "0 turns the answer caches off. Only complete, greedy answers are reused, and a hit counts against no cap.",
+            "semantic_threshold": "Empty: exact matches only. Otherwise a similar last question in exactly the same "
+                                  "conversation (system prompt, earlier turns, passages, parameters) reuses an answer.",
+            "cache_shared": "Off (the default): a user only ever gets their own cached answers. On: anyone who sends the "
+                            "same conversation (or, with a threshold, a similar last question after it) gets the answer "
+                            "someone else got. Only for features whose prompts hold no personal data.",
         }
 
     def __init__(self, *args, **kwargs) -> None:

@@ -323,6 +323,11 @@ class TokenLog(models.Model):
     counters_settled = models.BooleanField(default=False)
     reserved_tokens = models.PositiveIntegerField(default=0)
     reserved_cost_micro_usd = models.BigIntegerField(default=0)
+    # What a remote billed beyond the reservation (tokens and money its estimate could not know):
+    # billed all the same, recorded here, counted in /metrics and alerted once per provider and day.
+    # Always 0 on the local engine, whose prompt count is exact and whose output stops at max_tokens.
+    overshoot_tokens = models.PositiveIntegerField(default=0)
+    overshoot_micro_usd = models.BigIntegerField(default=0)
     # The guard's Redis counters this request was reserved against, so settling releases exactly them
     # even if quotas changed in between.
     counter_keys = models.JSONField(default=list, blank=True)
@@ -479,6 +484,7 @@ class Alert(models.Model):
         THRESHOLD = "threshold"  # spend crossed a percent of the limit
         PROJECTED = "projected"  # at the current rate the cap runs out before its period ends
         SPIKE = "spike"  # a day's spend above 3x the trailing median
+        OVERSHOOT = "overshoot"  # a remote billed more than a request's reservation (once per provider and day)
 
     kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.THRESHOLD)
     # "provider:local", "user:alice", "user:alice/feature:chat", "team:Support/feature:chat", "tag:beta":

@@ -38,6 +38,14 @@ def counters_url() -> str:
     return settings.CEILING_COUNTERS_URL or settings.REDIS_URL
 
 
+def cache_url() -> str:
+    """CEILING_CACHE_URL, else the counters' Redis: the answer and retrieval caches, whose keys all
+    expire, can live on a Redis of their own (any eviction policy) so they never crowd the counters."""
+    from django.conf import settings
+
+    return settings.CEILING_CACHE_URL or counters_url()
+
+
 def _single_node_url(url: str) -> str:
     """redis+cluster://… → redis://…: the node redis-py asks for the cluster's layout."""
     scheme, rest = url.split("://", 1)

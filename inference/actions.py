@@ -26,6 +26,7 @@ def do_admit_request(
     messages: list[dict],
     prompt_ids: list[int],
     max_tokens: int,
+    prompt_tokens: int | None = None,
     loop: LoopLimits | None = None,
     params: dict | None = None,
     end_user: str = "",
@@ -38,13 +39,15 @@ def do_admit_request(
 
     With a fallback the guard may admit the request there instead (decision.fell_back_to); the row
     then names the fallback's feature, provider and model, which is what the worker serves it with.
+    prompt_tokens: what the guard reserves for the prompt, when it is not len(prompt_ids) (a remote's
+    estimate, which has no local ids).
     """
     request = AdmissionRequest(
         request_id=request_id,
         user=user,
         feature=feature,
         model=model,
-        prompt_tokens=len(prompt_ids),
+        prompt_tokens=len(prompt_ids) if prompt_tokens is None else prompt_tokens,
         max_tokens=max_tokens,
         loop=loop,
         fallback=fallback,

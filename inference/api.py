@@ -239,20 +239,10 @@ def _first_given(*values: Any) -> Any:
 
 
 def _openai_messages(messages: Any) -> Any:
-    """OpenAI's message shapes our validation does not know: text parts, the "developer" role."""
+    """OpenAI's newer "developer" role is a system prompt here; every other field is parse_chat's to check."""
     if not isinstance(messages, list):
         return messages
-    return [_openai_message(message) for message in messages]
-
-
-def _openai_message(message: Any) -> Any:
-    if not isinstance(message, dict):
-        return message
-    content = message.get("content")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        content = "".join(str(p.get("text", "")) for p in content)
-    role = "system" if message.get("role") == "developer" else message.get("role")
-    return {"role": role, "content": content}
+    return [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages]
 
 
 @partial(database_sync_to_async, thread_sensitive=False)

@@ -89,10 +89,13 @@ COST = Spec("cost_micro_usd", "counter", "Spend in micro-dollars, at the price i
 RETRIEVAL = Spec("retrieval_seconds", "histogram", "Histogram of a docs feature's retrieval time in seconds (before admission).", ("feature",), TTFT_BUCKETS)
 RETRIEVED_TOKENS = Spec("retrieved_tokens", "counter", "Prompt tokens that retrieval placed in docs features' prompts.", ("feature",))
 RETRIEVAL_CACHE = Spec("retrieval_cache_lookups", "counter", "Retrieval cache lookups of docs features, by result (hit, miss).", ("result",))
+OVERSHOOTS = Spec("overshoot_requests", "counter", "Requests a remote billed beyond their reservation (the estimate rises after each).", ("feature",))
+OVERSHOOT_TOKENS = Spec("overshoot_tokens", "counter", "Tokens billed beyond reservations (always 0 on the local engine).", ("feature",))
+OVERSHOOT_COST = Spec("overshoot_cost_micro_usd", "counter", "Micro-dollars billed beyond reservations.", ("feature",))
 RETRIEVAL_SAVED = Spec("retrieval_cache_saved_seconds", "counter", "Seconds of retrieval the retrieval cache saved (each replayed search's time less its hit's).")
 
 SPECS = (TTFT, TPOT, E2E, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, REQUESTS_REFUSED, PREFIX_CACHE_HITS, CACHE_HITS, COST,
-         RETRIEVAL, RETRIEVED_TOKENS, RETRIEVAL_CACHE, RETRIEVAL_SAVED)
+         RETRIEVAL, RETRIEVED_TOKENS, RETRIEVAL_CACHE, RETRIEVAL_SAVED, OVERSHOOTS, OVERSHOOT_TOKENS, OVERSHOOT_COST)
 
 
 @lru_cache(maxsize=4)
@@ -134,6 +137,9 @@ def increments_for(row: TokenLog) -> list[Increment]:
         Increment(GENERATION_TOKENS, "value", feature, row.completion_tokens),
         Increment(COST, "value", feature, row.cost_micro_usd),
     ]
+    if row.overshoot_tokens or row.overshoot_micro_usd:
+        out += [Increment(OVERSHOOTS, "value", feature, 1), Increment(OVERSHOOT_TOKENS, "value", feature, row.overshoot_tokens),
+                Increment(OVERSHOOT_COST, "value", feature, row.overshoot_micro_usd)]
     if row.cached_tokens > 0:
         out.append(Increment(PREFIX_CACHE_HITS, "value", {}, row.cached_tokens))
     # The ledger has no cache column yet; once a response cache records its kind on the row, it counts here.

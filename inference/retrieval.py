@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import redis
 
-from budgets.redis_clients import counters_url, shared_client
+from budgets.redis_clients import cache_url, shared_client
 
 log = logging.getLogger(__name__)
 
@@ -238,8 +238,8 @@ class Retrieval:
 
 
 def _client() -> redis.Redis:
-    # On CEILING_COUNTERS_URL (else REDIS_URL), one Redis or a cluster: every command here touches one key.
-    return shared_client(counters_url(), 0.5)
+    # On CEILING_CACHE_URL (else the counters' Redis), one Redis or a cluster: every command here touches one key.
+    return shared_client(cache_url(), 0.5)
 
 
 def _version_key(feature_id: int) -> str:

@@ -138,18 +138,18 @@ def check_redis_url(url: str) -> str:
     return url
 
 
-def check_counters_url(url: str) -> str:
+def check_counters_url(url: str, name: str = "CEILING_COUNTERS_URL") -> str:
     """One Redis (as REDIS_URL) or a Redis / Valkey Cluster: redis+cluster://host:port (database 0 only)."""
     if not url:
         return url
     parsed = urlparse(url)
     if parsed.scheme not in ("redis", "rediss", "unix", *CLUSTER_SCHEMES):
         raise ImproperlyConfigured(
-            f"CEILING_COUNTERS_URL={url!r} must start with redis://, rediss://, unix://, "
+            f"{name}={url!r} must start with redis://, rediss://, unix://, "
             "redis+cluster:// or rediss+cluster://"
         )
     if parsed.scheme in CLUSTER_SCHEMES and parsed.path.strip("/") not in ("", "0"):
-        raise ImproperlyConfigured(f"CEILING_COUNTERS_URL={url!r}: a Redis Cluster has only database 0")
+        raise ImproperlyConfigured(f"{name}={url!r}: a Redis Cluster has only database 0")
     return url
 
 
@@ -289,6 +289,9 @@ CELERY_BROKER_URL = celery_url_from_redis_url(REDIS_URL)
 # --- Redis for the guard's counters, the answer and retrieval caches and the stream inboxes ----
 # May name a Redis (or Valkey) Cluster; empty: the REDIS_URL server (budgets/redis_clients.py). See docs/scaling.md.
 CEILING_COUNTERS_URL = check_counters_url(envstr("CEILING_COUNTERS_URL", ""))
+# The answer and retrieval caches (keys that always expire) on a Redis of their own, with any
+# eviction policy; empty: the counters' Redis. The counters' Redis must never evict (budgets/guard.py).
+CEILING_CACHE_URL = check_counters_url(envstr("CEILING_CACHE_URL", ""), "CEILING_CACHE_URL")
 # After each admission the guard waits (WAIT) until this many replicas hold it (fewer when the
 # master lists fewer): a replica promoted when its master dies then holds every reservation that
 # was answered. Fewer within the timeout → released and refused (fail closed). 1 on a cluster, 0 on one Redis.

@@ -1,13 +1,24 @@
-"""Answer caches: the cheapest inference is the one you skip.
+"""Answer caches: the cheapest inference is the one you skip, but only for the question that was asked.
 
-- Exact: normalised prompt + model + parameters → answer, with the feature's TTL.
-- Semantic: an all-MiniLM-L6-v2 embedding of the prompt; a stored answer is reused when the
-  cosine similarity reaches the feature's threshold.
+- Exact: everything that shapes the answer — feature, model (and so its weights), max_tokens, the
+  generation parameters, and the whole conversation (every role, tool calls and results, a docs
+  feature's retrieved passages in its system prompt) — by hash → answer, with the feature's TTL.
+- Semantic: a stored answer is reused for a *similar last question in the same context*. The
+  context (everything but the last message, with the parameters above) must match by exact hash:
+  it names the index the answers are compared in. Only the last question is embedded
+  (all-MiniLM-L6-v2) and compared, at the feature's threshold. Embedding the start of the whole
+  conversation made every question behind one long system prompt look alike.
 
 Both are scoped: an answer is reused for the same user only, or across users for features staff
-marked shareable (no personal data). Only complete answers (finish_reason "stop") are stored, and
-only for the same model, feature and max_tokens, so a reused answer is one the user could have got.
-Entries live in Redis with the feature's TTL.
+marked shareable (no personal data; the feature page says what is shared). Only complete answers
+(finish_reason "stop") are stored, so a reused answer is one the user could have got.
+
+Entries live on CEILING_CACHE_URL's Redis (default: the counters' Redis), always with the feature's
+TTL, so they can be evicted or crowd nothing: the guard's counters never expire by eviction.
+
+A hit is free: it is logged (cache exact/semantic, cost 0, what it saved) but counts against no
+cap — request, token, API-key or loop — since it spends neither model time nor money
+(docs/budgets.md, "Answer caches").
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from budgets.redis_clients import counters_url, shared_client
+from budgets.redis_clients import cache_url, shared_client
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +49,18 @@ class CacheKey:
     feature: str
     model: str
     max_tokens: int
-    scope: str  # "user:<id>" or "shared"
-    prompt: str  # normalised
+    scope: str  # "user:<id>" or "shared" (a docs feature's adds the audiences the user may read)
+    context: str  # normalised: the conversation before its last message, and the generation parameters
+    question: str  # normalised: the last message
+
+    @property
+    def context_digest(self) -> str:
+        raw = json.dumps([self.feature, self.model, self.max_tokens, self.context], ensure_ascii=False)
+        return hashlib.sha256(raw.encode()).hexdigest()
 
     @property
     def digest(self) -> str:
-        raw = json.dumps([self.feature, self.model, self.max_tokens, self.prompt], ensure_ascii=False)
-        return hashlib.sha256(raw.encode()).hexdigest()
+        return hashlib.sha256(f"{self.context_digest}|{self.question}".encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -57,23 +73,27 @@ class CachedAnswer:
     similarity: float = 1.0
 
 
+def normalise_message(message: dict) -> str:
+    """Same words, same answer: Unicode NFC, whitespace collapsed; role, tool calls and ids kept."""
+    text = " ".join(unicodedata.normalize("NFC", message.get("content") or "").split())
+    extras = {name: message[name] for name in ("tool_calls", "tool_call_id", "name") if message.get(name)}
+    suffix = " " + json.dumps(extras, sort_keys=True, ensure_ascii=False) if extras else ""
+    return f"{message['role']}: {text}{suffix}"
+
+
 def normalise(messages: list[dict]) -> str:
-    """Same words, same answer: Unicode NFC, whitespace collapsed, roles kept (order matters)."""
-    parts = []
-    for message in messages:
-        text = " ".join(unicodedata.normalize("NFC", message["content"]).split())
-        parts.append(f"{message['role']}: {text}")
-    return "\n".join(parts)
+    return "\n".join(normalise_message(message) for message in messages)
 
 
-def cache_key(feature, user, model: str, max_tokens: int, messages: list[dict]) -> CacheKey:
+def cache_key(feature, user, model: str, max_tokens: int, messages: list[dict], params: dict | None = None) -> CacheKey:
     scope = "shared" if feature.cache_shared else f"user:{user.pk}"
-    return CacheKey(feature.name, model, max_tokens, scope, normalise(messages))
+    context = normalise(messages[:-1]) + "\n#params " + json.dumps(params or {}, sort_keys=True)
+    return CacheKey(feature.name, model, max_tokens, scope, context, normalise_message(messages[-1]))
 
 
 def _client() -> redis.Redis:
-    # On CEILING_COUNTERS_URL (else REDIS_URL), one Redis or a cluster: every command here touches one key.
-    return shared_client(counters_url(), 0.5)
+    # On CEILING_CACHE_URL (default: the counters' Redis), one Redis or a cluster: every command here touches one key.
+    return shared_client(cache_url(), 0.5)
 
 
 def _exact_key(key: CacheKey) -> str:
@@ -81,9 +101,9 @@ def _exact_key(key: CacheKey) -> str:
 
 
 def _semantic_index(key: CacheKey) -> str:
-    # One index per scope and (feature, model, max_tokens): answers are only ever compared like for like.
-    params = hashlib.sha256(f"{key.feature}|{key.model}|{key.max_tokens}".encode()).hexdigest()[:16]
-    return f"ceiling:cache:semantic:{key.scope}:{params}"
+    # One index per scope and context: a last question is only ever compared with others asked in
+    # exactly the same conversation, to the same feature, model and parameters.
+    return f"ceiling:cache:semantic:{key.scope}:{key.context_digest[:32]}"
 
 
 # --- lookups ------------------------------------------------------------------------------------
@@ -121,7 +141,7 @@ def _lookup_semantic(key: CacheKey, threshold: float) -> CachedAnswer | None:
         return None
     entries = [json.loads(m) for m in members]
     matrix = np.asarray([e["embedding"] for e in entries], dtype=np.float32)
-    query = embed([key.prompt])[0]
+    query = embed([key.question])[0]
     similarities = matrix @ query  # embeddings are unit length: the dot product is the cosine
     best = int(np.argmax(similarities))
     if float(similarities[best]) < threshold:
@@ -144,7 +164,7 @@ def store(feature, key: CacheKey, *, text: str, completion_tokens: int, cost_mic
         client = _client()
         client.set(_exact_key(key), json.dumps(payload), ex=feature.cache_ttl_s)
         if feature.semantic_threshold:
-            entry = {**payload, "embedding": embed([key.prompt])[0].round(6).tolist()}
+            entry = {**payload, "embedding": embed([key.question])[0].round(6).tolist()}
             index = _semantic_index(key)
             client.zadd(index, {json.dumps(entry): time.time() + feature.cache_ttl_s})
             client.zremrangebyrank(index, 0, -SEMANTIC_ENTRIES_PER_SCOPE - 1)

@@ -31,12 +31,14 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from functools import partial
 
+import redis
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import DatabaseError
 
+from budgets import estimates
 from budgets.actions import do_log_cache_hit, do_log_refusal
 from budgets.guard import Decision, Fallback, LoopLimits
 from budgets.models import Feature, Provider, RetrievalFacts, TokenLog, unique_row
@@ -55,8 +57,14 @@ from inference.bus.ownership import lost_request_progress
 from inference.bus.trace import mark
 from inference.models import Transcript
 from inference.web import caches, modes
-from inference.web.frames import ChatFrame
-from inference.web.tokenizer import chat_prompt_ids, input_too_long_by_count, input_too_long_by_size, model_name
+from inference.web.frames import ChatFrame, has_tool_turns
+from inference.web.tokenizer import (
+    chat_prompt_ids,
+    count_text_tokens,
+    input_too_long_by_count,
+    input_too_long_by_size,
+    model_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +104,7 @@ async def _admit_and_stream(request_id: str, user: AbstractBaseUser, frame: Chat
     if feature.mode == Feature.Mode.BATCH:
         yield {"type": "error", "code": "batch_only", "message": modes.batch_only_message(feature.name)}
         return
-    if frame.params.tools and not is_remote(feature):
+    if (frame.params.tools or has_tool_turns(frame.messages)) and not is_remote(feature):
         yield {"type": "error", "code": "tools_unsupported", "message": modes.tools_unsupported_message(feature.name)}
         return
     if feature.mode == Feature.Mode.DOCS:
@@ -147,14 +155,14 @@ async def _answer_once(events: AsyncIterator[dict], schema: dict | None = None) 
 async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, frame: ChatFrame,
                   retrieved: RetrievedContext | None = None) -> AsyncIterator[dict]:
     facts = retrieved.facts if retrieved else None
-    prompt_ids, refusal = await _check_before_guard(request_id, user, feature, frame, facts)
+    prompt_ids, prompt_tokens, refusal = await _check_before_guard(request_id, user, feature, frame, facts)
     if refusal is not None:
         yield refusal
         return
     max_tokens = min(frame.max_tokens, feature.max_output_tokens)
     # A sampled or shaped answer is not the one a cache holds for these messages.
     cacheable = feature.cache_ttl_s and frame.params.cacheable
-    key = caches.cache_key(feature, user, model_name(feature), max_tokens, frame.messages) if cacheable else None
+    key = caches.cache_key(feature, user, model_name(feature), max_tokens, frame.messages, frame.params.stored()) if cacheable else None
     if key is not None and retrieved is not None:
         # An answer drawn from a staff document is never reused for someone who may not read it,
         # not even as a semantic near-match of a shared feature.
@@ -162,7 +170,7 @@ async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, fra
     if key is not None:
         hit = await sync_to_async(caches.lookup, thread_sensitive=False)(feature, key)
         if hit is not None:
-            for event in await serve_cached(request_id, user, feature, len(prompt_ids), max_tokens, hit, facts):
+            for event in await serve_cached(request_id, user, feature, prompt_tokens, max_tokens, hit, facts):
                 yield with_sources(event, retrieved)
             return
     inbox = stream_inbox()
@@ -171,7 +179,7 @@ async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, fra
     ended = False  # nothing left to stop: the worker finished it, or the guard refused it
     try:
         loop = LoopLimits(frame.loop_id, settings.CEILING_LOOP_MAX_CALLS, settings.CEILING_LOOP_MAX_COST_MICRO_USD) if frame.loop_id else None
-        decision = await _admit_shielded(request_id, user, feature, frame, prompt_ids, max_tokens, loop, facts)
+        decision = await _admit_shielded(request_id, user, feature, frame, prompt_ids, prompt_tokens, max_tokens, loop, facts)
         if not decision.admitted:
             ended = True
             yield {"type": "refused", "code": decision.code, "message": decision.message, "retry_after_s": decision.retry_after_s}
@@ -179,12 +187,12 @@ async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, fra
         # Dispatch before announcing it: from here on, stopping early only needs a cancel.
         # To the queue of the weight variant that serves it: the fallback's, when the guard chose it.
         await dispatch_generation(request_id, inbox.key, variants.variant_of(decision.fell_back_to or feature))
-        for event in admitted_events(decision, len(prompt_ids)):
+        for event in admitted_events(decision, decision.log.prompt_tokens):
             yield with_sources(event, retrieved)
         # The fallback's answer is not the one this feature's cache should hand out later.
         if decision.fell_back_to is not None:
             key = None
-        async for event in _relay(frames, request_id, len(prompt_ids)):
+        async for event in _relay(frames, request_id, decision.log.prompt_tokens):
             ended = event["type"] in TERMINAL
             if key is not None and event["type"] == "done" and event.get("finish_reason") == "stop":
                 # Stored before `done` is yielded: a caller may stop iterating right after it.
@@ -228,7 +236,7 @@ def fallback_for(feature: Feature, frame: ChatFrame, prompt_tokens: int) -> Fall
         return None
     if prompt_tokens > min(fallback.max_input_tokens, settings.CEILING_MAX_INPUT_TOKENS):
         return None
-    if frame.params.tools and not is_remote(fallback):
+    if (frame.params.tools or has_tool_turns(frame.messages)) and not is_remote(fallback):
         return None
     if not variants.is_served(variants.variant_of(fallback)):
         return None  # its weights have no worker: it would wait in a queue nobody reads
@@ -237,47 +245,81 @@ def fallback_for(feature: Feature, frame: ChatFrame, prompt_tokens: int) -> Fall
 
 async def _check_before_guard(
     request_id: str, user: AbstractBaseUser, feature: Feature, frame: ChatFrame, facts: RetrievalFacts | None = None
-) -> tuple[list[int], dict | None]:
-    """(the prompt's token ids, None), or the refusal decided here rather than by the guard (logged)."""
+) -> tuple[list[int], int, dict | None]:
+    """(the prompt's token ids, its token count, None), or the refusal decided here rather than by the guard (logged).
+
+    The local engine's prompt is counted exactly with its tokenizer. A remote's is estimated from
+    everything sent to it, tools and tool results included (budgets/estimates.py): its ids stay
+    empty, and its count is an upper bound the guard reserves.
+    """
     if not feature.enabled:
         message = f"The feature {feature.name!r} is switched off by the operators."
         await log_refusal(request_id, user, feature, "feature_disabled", message, 0, frame.max_tokens, facts)
-        return [], {"type": "refused", "code": "feature_disabled", "message": message, "retry_after_s": None}
+        return [], 0, {"type": "refused", "code": "feature_disabled", "message": message, "retry_after_s": None}
     variant = variants.variant_of(feature)
     if variant != variants.default_variant() and not await sync_to_async(variants.is_served, thread_sensitive=False)(variant):
         # Queued, it would wait for the first-token timeout in a queue nobody reads.
         message = variants.unavailable_message(feature.name, variant)
         await log_refusal(request_id, user, feature, "variant_unavailable", message, 0, frame.max_tokens)
-        return [], {"type": "refused", "code": "variant_unavailable", "message": message, "retry_after_s": None}
+        return [], 0, {"type": "refused", "code": "variant_unavailable", "message": message, "retry_after_s": None}
     limit = min(feature.max_input_tokens, settings.CEILING_MAX_INPUT_TOKENS)
     prompt_ids: list[int] = []
-    refusal = input_too_long_by_size(frame.messages, limit)
-    if refusal is None:
-        prompt_ids = await sync_to_async(chat_prompt_ids, thread_sensitive=False)(frame.messages)
-        refusal = input_too_long_by_count(len(prompt_ids), limit)
+    if is_remote(feature):
+        try:
+            prompt_tokens = await sync_to_async(remote_prompt_tokens, thread_sensitive=False)(feature, frame)
+        except redis.RedisError as exc:
+            log.warning("could not read the prompt estimate of %s: %s", feature.name, exc)
+            await log_refusal(request_id, user, feature, "guard_unavailable", GUARD_UNAVAILABLE, 0, frame.max_tokens, facts)
+            return [], 0, {"type": "refused", "code": "guard_unavailable", "message": GUARD_UNAVAILABLE, "retry_after_s": 30}
+        refusal = input_too_long_by_count(prompt_tokens, limit, estimated=True)
+    else:
+        refusal = input_too_long_by_size(frame.messages, limit)
+        if refusal is None:
+            prompt_ids = await sync_to_async(chat_prompt_ids, thread_sensitive=False)(frame.messages)
+            refusal = input_too_long_by_count(len(prompt_ids), limit)
+        prompt_tokens = len(prompt_ids)
     if refusal is not None:
-        await log_refusal(request_id, user, feature, "max_input_tokens", refusal, len(prompt_ids), frame.max_tokens, facts)
-        return prompt_ids, {"type": "refused", "code": "max_input_tokens", "message": refusal, "retry_after_s": None}
-    return prompt_ids, None
+        await log_refusal(request_id, user, feature, "max_input_tokens", refusal, prompt_tokens, frame.max_tokens, facts)
+        return prompt_ids, prompt_tokens, {"type": "refused", "code": "max_input_tokens", "message": refusal, "retry_after_s": None}
+    return prompt_ids, prompt_tokens, None
 
 
-async def _admit_shielded(request_id, user, feature, frame, prompt_ids, max_tokens, loop, facts=None) -> Decision:
+GUARD_UNAVAILABLE = "The budget guard cannot be reached right now, so no request can be admitted. Please try again in a minute."
+
+
+def remote_prompt_tokens(feature: Feature, frame: ChatFrame) -> int:
+    """A remote feature's prompt as the guard reserves it: everything sent, at this provider's learned ratio."""
+    return estimates.prompt_estimate(feature.provider_id, model_name(feature), frame.messages, frame.params.stored(),
+                                     count_text_tokens)
+
+
+def guard_prompt_tokens(feature: Feature, fallback: Fallback | None, frame: ChatFrame, prompt_tokens: int) -> int:
+    """The prompt count one reservation must cover: a fallback counts its prompt its own way (a remote
+    estimates, the local engine counts exactly), and the guard reserves one count for either."""
+    if fallback is None or is_remote(fallback.feature) == is_remote(feature):
+        return prompt_tokens
+    if is_remote(fallback.feature):
+        return max(prompt_tokens, remote_prompt_tokens(fallback.feature, frame))
+    return max(prompt_tokens, len(chat_prompt_ids(frame.messages)))
+
+
+async def _admit_shielded(request_id, user, feature, frame, prompt_ids, prompt_tokens, max_tokens, loop, facts=None) -> Decision:
     """Ask the guard; if our caller goes away meanwhile, an admitted request is closed as cancelled.
 
     The guard runs in a thread that cancelling cannot stop, so without this a request admitted just
     after its client left would hold its reservation until reconciliation fails it.
     """
-    admission = asyncio.ensure_future(admit_request(request_id, user, feature, frame, prompt_ids, max_tokens, loop, facts))
+    admission = asyncio.ensure_future(admit_request(request_id, user, feature, frame, prompt_ids, prompt_tokens, max_tokens, loop, facts))
     try:
         return await asyncio.shield(admission)
     except asyncio.CancelledError:
-        task = asyncio.ensure_future(_close_if_admitted(admission, len(prompt_ids)))
+        task = asyncio.ensure_future(_close_if_admitted(admission))
         _abandoned.add(task)
         task.add_done_callback(_abandoned.discard)
         raise
 
 
-async def _close_if_admitted(admission: asyncio.Future, prompt_tokens: int) -> None:
+async def _close_if_admitted(admission: asyncio.Future) -> None:
     try:
         decision = await admission
     except Exception:
@@ -286,7 +328,7 @@ async def _close_if_admitted(admission: asyncio.Future, prompt_tokens: int) -> N
     if decision.admitted:
         # Not thread-sensitive: the HTTP request this came from may be over, and its thread with it.
         await sync_to_async(finish_undispatched, thread_sensitive=False)(
-            decision.request_id, TokenLog.Status.CANCELLED, prompt_tokens, "cancelled", ""
+            decision.request_id, TokenLog.Status.CANCELLED, decision.log.prompt_tokens, "cancelled", ""
         )
 
 
@@ -421,7 +463,8 @@ def get_feature(name: str) -> Feature | None:
 # the guard is built for concurrent admissions (tests/test_guard*.py), and 64 chats arriving together
 # otherwise queue one behind another for their ~12 ledger queries each.
 @partial(database_sync_to_async, thread_sensitive=False)
-def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, max_tokens, loop, facts=None) -> Decision:
+def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, prompt_tokens, max_tokens, loop, facts=None) -> Decision:
+    fallback = fallback_for(feature, frame, prompt_tokens)
     decision = do_admit_request(
         request_id=request_id,
         user=user,
@@ -429,11 +472,12 @@ def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, max_t
         model=model_name(feature),
         messages=frame.messages,
         prompt_ids=prompt_ids,
+        prompt_tokens=guard_prompt_tokens(feature, fallback, frame, prompt_tokens),
         max_tokens=max_tokens,
         loop=loop,
         params=frame.params.stored(),
         end_user=frame.params.end_user,
-        fallback=fallback_for(feature, frame, len(prompt_ids)),
+        fallback=fallback,
         retrieved=facts,
         api_key=frame.api_key,
         tags=frame.tags,

@@ -12,7 +12,11 @@ from budgets.tags import MAX_TAGS, TAG_RE, TAG_RULE
 
 from .params import DEFAULT, GenerationParams
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+# The roles an agent's conversation may end on: a user's question, or the results of the tools the
+# model called (the next step of a tool loop).
+LAST_ROLES = ("user", "tool")
+MAX_NAME_CHARS = 64  # OpenAI's limit on a message's `name` and a tool call's function name
 DEFAULT_FEATURE = "chat"  # a chat frame without "feature", and the API's served model name, select it
 
 
@@ -105,29 +109,96 @@ def parse_tags(value) -> tuple[str, ...]:
 
 
 def _parse_messages(messages) -> list[dict]:
+    """OpenAI's message shapes, kept as sent (a remote engine gets them unchanged), text parts joined.
+
+    system/user/assistant with text content; an assistant's `tool_calls` (its content may then be
+    null); `tool` messages with the `tool_call_id` they answer; an optional `name`.
+    """
     if not isinstance(messages, list) or not messages:
         raise FrameError("bad_messages", "\"messages\" must be a non-empty list of {role, content} objects.")
     if len(messages) > settings.CEILING_MAX_MESSAGES:
         raise FrameError(
             "bad_messages", f"{len(messages)} messages is too many; the limit is {settings.CEILING_MAX_MESSAGES}."
         )
-    cleaned = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise FrameError("bad_messages", f"Message {index + 1} is not an object with role and content.")
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise FrameError("bad_role", f"Message {index + 1} has role {role!r}; use one of {', '.join(ROLES)}.")
-        if not isinstance(content, str) or not content.strip():
-            raise FrameError("empty_content", f"Message {index + 1} has no text content.")
-        if not storable(content):
-            raise FrameError(
-                "bad_text", f"Message {index + 1} contains a NUL character or an unpaired surrogate, which is not text."
-            )
-        cleaned.append({"role": role, "content": content})
-    if cleaned[-1]["role"] != "user":
-        raise FrameError("bad_role", "The last message must come from the user.")
+    cleaned = [_parse_message(index, message) for index, message in enumerate(messages)]
+    if cleaned[-1]["role"] not in LAST_ROLES:
+        raise FrameError("bad_role", "The last message must come from the user (or be a tool's result).")
     return cleaned
+
+
+def _parse_message(index: int, message) -> dict:
+    where = f"Message {index + 1}"
+    if not isinstance(message, dict):
+        raise FrameError("bad_messages", f"{where} is not an object with role and content.")
+    role = message.get("role")
+    if role not in ROLES:
+        raise FrameError("bad_role", f"{where} has role {role!r}; use one of {', '.join(ROLES)}.")
+    cleaned: dict = {"role": role}
+    tool_calls = _parse_tool_calls(where, message.get("tool_calls")) if role == "assistant" else None
+    content = _text_content(where, message.get("content"))
+    if not tool_calls and (content is None or not content.strip()):
+        raise FrameError("empty_content", f"{where} has no text content.")
+    cleaned["content"] = content
+    if tool_calls:
+        cleaned["tool_calls"] = tool_calls
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id or not storable(call_id):
+            raise FrameError("bad_messages", f"{where} is a tool result without the \"tool_call_id\" it answers.")
+        cleaned["tool_call_id"] = call_id
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS or not storable(name):
+            raise FrameError("bad_messages", f"{where} has a \"name\" that is not a string of 1 to {MAX_NAME_CHARS} characters.")
+        cleaned["name"] = name
+    return cleaned
+
+
+def _text_content(where: str, content) -> str | None:
+    """A message's text: a string, or OpenAI's list of text parts joined; None when absent (null)."""
+    if content is None:
+        return None
+    if isinstance(content, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                   for part in content):
+            raise FrameError("bad_messages", f"{where} has content parts other than text; only text is accepted.")
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise FrameError("empty_content", f"{where} has no text content.")
+    if not storable(content):
+        raise FrameError("bad_text", f"{where} contains a NUL character or an unpaired surrogate, which is not text.")
+    return content
+
+
+def _parse_tool_calls(where: str, calls) -> list[dict] | None:
+    """An assistant's earlier tool calls, in OpenAI's shape: id, type "function", name and arguments."""
+    if calls is None:
+        return None
+    if not isinstance(calls, list):
+        raise FrameError("bad_messages", f"{where} has \"tool_calls\" that is not a list.")
+    parsed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(call.get("id"), str) and call.get("type", "function") == "function"
+                and isinstance(function.get("name"), str) and isinstance(function.get("arguments", ""), str)
+                and storable(call["id"] + function["name"] + function.get("arguments", ""))):
+            raise FrameError(
+                "bad_messages",
+                f"{where} has a tool call that is not {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}.",
+            )
+        parsed.append({"id": call["id"], "type": "function",
+                       "function": {"name": function["name"], "arguments": function.get("arguments", "")}})
+    return parsed or None
+
+
+def has_tool_turns(messages: list[dict]) -> bool:
+    """Whether a conversation holds a tool loop's steps (tool calls or results), which the local engine cannot serve."""
+    return any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+
+
+def message_text(message: dict) -> str:
+    """A message's text ("" for an assistant's tool-call-only turn)."""
+    return message.get("content") or ""
 
 
 def storable(text: str) -> bool:

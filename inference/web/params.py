@@ -21,7 +21,9 @@ from typing import Any
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
 MAX_TOP_LOGPROBS = 20
 MAX_END_USER_CHARS = 256  # Transcript.end_user
-MAX_TOOLS = 128  # OpenAI's limit on tools per request
+# OpenAI's own limit is 128; the servers Ceiling forwards to (vLLM, llama.cpp) set none, and every tool
+# is counted in the request's reservation, so a long list costs its sender, never the ceiling.
+MAX_TOOLS = 512
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
 # name → (lowest, highest) of the numbers OpenAI accepts.
@@ -58,6 +60,7 @@ class GenerationParams:
     response_format: dict | None = None  # None for "text"
     tools: list | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     end_user: str = ""
 
     @property
@@ -77,7 +80,7 @@ class GenerationParams:
             "stop": list(self.stop) or None, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "logprobs": self.logprobs or None,
             "top_logprobs": self.top_logprobs, "response_format": self.response_format,
-            "tools": self.tools, "tool_choice": self.tool_choice,
+            "tools": self.tools, "tool_choice": self.tool_choice, "parallel_tool_calls": self.parallel_tool_calls,
         }
         return {name: value for name, value in values.items() if value is not None}
 
@@ -110,6 +113,7 @@ def parse_params(data: dict) -> GenerationParams:
         response_format=_response_format(data.get("response_format")),
         tools=tools,
         tool_choice=_tool_choice(data.get("tool_choice"), tools),
+        parallel_tool_calls=_boolean(data, "parallel_tool_calls"),
         end_user=_end_user(data.get("user")),
     )
 

@@ -50,6 +50,12 @@ def chat_prompt_ids(messages: list[dict]) -> list[int]:
     return encode_chat(get_tokenizer(), messages)
 
 
+def count_text_tokens(text: str) -> int:
+    """Tokens of a text in the shipped model's tokenizer: the base of a remote prompt's estimate
+    (budgets/estimates.py), whose small vocabulary counts high."""
+    return len(get_tokenizer().encode(text, add_special_tokens=False))
+
+
 def model_name(feature=None) -> str:
     """The model a request goes to, as logged and priced: a remote provider's model, else ours.
 
@@ -74,7 +80,7 @@ def longest_token_bytes() -> int:
 
 def input_too_long_by_size(messages: list[dict], limit: int) -> str | None:
     """The cheap check: refuse a huge paste from its size alone, without tokenizing it."""
-    size = sum(len(m["content"].encode()) for m in messages)
+    size = sum(len((m.get("content") or "").encode()) for m in messages)
     if size > limit * longest_token_bytes() + 64 * len(messages):
         return (
             f"Your conversation is {size:,} bytes, far more than the {limit:,} tokens allowed. "
@@ -83,7 +89,9 @@ def input_too_long_by_size(messages: list[dict], limit: int) -> str | None:
     return None
 
 
-def input_too_long_by_count(prompt_tokens: int, limit: int) -> str | None:
+def input_too_long_by_count(prompt_tokens: int, limit: int, estimated: bool = False) -> str | None:
     if prompt_tokens > limit:
-        return f"Your conversation is {prompt_tokens:,} tokens long; the limit is {limit:,}. Shorten it and try again."
+        size = f"up to {prompt_tokens:,} tokens long (an estimate from its size, tools included)" if estimated \
+            else f"{prompt_tokens:,} tokens long"
+        return f"Your conversation is {size}; the limit is {limit:,}. Shorten it and try again."
     return None

@@ -16,6 +16,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
+from budgets.alerts import raise_overshoot_alert
 from budgets.models import TokenLog, unique_row
 from inference.actions import do_finish_request, settle_reservation
 from inference.bus.cancel import is_cancel_requested
@@ -178,6 +179,7 @@ def _finish(log_row: TokenLog, reply_to: str, outcome: Outcome, ttft_ms: int | N
     release_claim(log_row.request_id)
     if settled is None:
         return
+    raise_overshoot_alert(settled)  # a remote billed past its reservation: once per provider and day
     # Release the reservation before telling the user, so their next request sees the freed room.
     settle_reservation(settled.request_id)
     sender = channel_sender()

@@ -22,10 +22,12 @@ from typing import Protocol
 
 from django.conf import settings
 
+from budgets import estimates
 from budgets.models import Provider, TokenLog
 from inference.engine import FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, EngineError, Sampling
 from inference.engine.detokenizer import IncrementalDecoder
 from inference.engines import get_engine
+from inference.web.tokenizer import count_text_tokens
 from inference.worker import remote
 from inference.worker.stops import StopMatcher
 
@@ -258,9 +260,19 @@ class RemoteGeneration:
                     break
         finally:
             stream.stop.set()  # the reader hangs up, so the remote stops generating
-        # Tokenizers differ: the guard admitted on our count of the prompt; the ledger keeps the remote's.
+        self._learn_prompt_ratio(stream)
+        # Tokenizers differ: the guard admitted on our estimate of the prompt; the ledger keeps the remote's count.
         return Outcome(finish_reason, error, text=stream.text, prompt_tokens=stream.prompt_tokens,
                        completion_tokens=stream.completion_tokens, tool_calls=stream.tool_calls())
+
+    def _learn_prompt_ratio(self, stream: remote.RemoteStream) -> None:
+        """Teach the provider's estimate what this prompt was really billed (budgets/estimates.py), so a
+        remote that counts more than the estimate overshoots once, not on every request."""
+        row = self.log_row
+        if stream.prompt_tokens is None or row.provider_id is None:
+            return
+        base = estimates.base_estimate(row.transcript.messages, row.transcript.params, count_text_tokens)
+        estimates.learn_ratio(row.provider_id, row.model, stream.prompt_tokens, base)
 
     def cancel(self) -> None:
         if self.stream is not None:

@@ -22,8 +22,12 @@ both alike:
   covers a cancel published before this stream was registered.
 - Timeouts are layered: connecting within CONNECT_TIMEOUT_S, the first piece of text within the
   engine's first-token limit, the end within the engine's deadline.
-- Usage is what the remote reports in its final usage chunk; a server that sends none is counted
-  one token per streamed text chunk (what vLLM and TGI send), and the prompt keeps our estimate.
+- Usage is what the remote reports in its final usage chunk. A server that sends none is counted
+  at the larger of one token per text chunk and the text's size at three bytes a token, never more
+  than max_tokens (what was reserved), and the prompt keeps its reservation's estimate
+  (budgets/estimates.py).
+- Output is bounded by max_tokens even when a remote ignores it: every text chunk holds at least one
+  token, so a chunk past max_tokens ends the answer (finish_reason length) and hangs up.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from functools import lru_cache
 import httpx2 as httpx
 import redis
 
+from budgets.estimates import text_estimate
 from budgets.models import Provider
 from inference.bus.cancel import is_cancel_requested
 from inference.bus.trace import mark
@@ -51,7 +56,7 @@ log = logging.getLogger(__name__)
 # The request fields a client's completion may carry on to the remote server, unchanged.
 PASSED_THROUGH = (
     "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
-    "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
+    "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
 )
 REMOTE_FINISH = {"length": FINISH_LENGTH, "tool_calls": "tool_calls"}  # anything else ended it as a stop
 
@@ -97,6 +102,8 @@ class RemoteStream:
         self.prompt_tokens: int | None = None  # from the remote's usage chunk, when it sends one
         self.reported_completion_tokens: int | None = None
         self.chunks = 0  # text chunks received: the count when the remote reports no usage
+        self.max_tokens = int(body.get("max_tokens") or 0)
+        self.cut_off = False  # the remote went past max_tokens and we hung up
         self.text = ""
         # Tool calls by index, merged from the remote's deltas (the reader writes them before the end).
         self._tool_calls: dict[int, dict] = {}
@@ -108,7 +115,10 @@ class RemoteStream:
 
     @property
     def completion_tokens(self) -> int:
-        return self.reported_completion_tokens if self.reported_completion_tokens is not None else self.chunks
+        """The remote's count; without one, an upper estimate within what was reserved (max_tokens)."""
+        if self.reported_completion_tokens is not None:
+            return self.reported_completion_tokens
+        return min(self.max_tokens, max(self.chunks, text_estimate(self.text)))
 
     # --- the worker's side ----------------------------------------------------------------------
 
@@ -177,7 +187,7 @@ class RemoteStream:
                     return
                 lines = response.iter_lines()
                 end = self._parse(lines)
-                if end is not None and end.finish_reason != FINISH_ERROR:
+                if end is not None and end.finish_reason != FINISH_ERROR and not self.cut_off:
                     self._drain(lines)
                 self._put(end)
         except httpx.ConnectTimeout:
@@ -235,6 +245,10 @@ class RemoteStream:
                 text = delta.get("content") or ""
                 logprobs = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
                 if text or logprobs:
+                    if self.max_tokens and self.chunks >= self.max_tokens:
+                        # Each chunk is a token at least: this remote is past max_tokens. Stop paying.
+                        self.cut_off = True
+                        return RemoteEvent("", finished=True, finish_reason=FINISH_LENGTH)
                     if not self.chunks:
                         mark(self.request_id, "first_byte")
                     self.chunks += 1

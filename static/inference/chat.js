@@ -65,7 +65,8 @@
     if (allowance.requests) parts.push(`${count(allowance.requests.left)} of ${count(allowance.requests.limit)} requests`);
     if (allowance.tokens) parts.push(`${count(allowance.tokens.left)} of ${count(allowance.tokens.limit)} tokens`);
     if (allowance.cost_usd) parts.push(`$${Number(allowance.cost_usd.left).toFixed(2)} of $${Number(allowance.cost_usd.limit).toFixed(2)}`);
-    allowanceLine.textContent = `Left today: ${parts.join(" · ")} · resets ${allowance.resets}`;
+    // The guard counts no cached answer (docs/budgets.md, "Answer caches"), so neither does this line.
+    allowanceLine.textContent = `Left today: ${parts.join(" · ")} · resets ${allowance.resets} · answers from the cache are free`;
   }
   showAllowance(config.allowance);
 
