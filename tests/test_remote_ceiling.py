@@ -77,12 +77,14 @@ def prompt_tokens_of(body: dict) -> int:
 
 
 class BillingRemote(BaseHTTPRequestHandler):
-    mode = "honest"  # honest | heavy | silent
+    mode = "honest"  # honest | heavy | silent | agent
     received: list[dict] = []
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         BillingRemote.received.append(body)
+        if self.mode == "agent":
+            return self._agent_step(body)
         prompt = prompt_tokens_of(body) * (2 if self.mode == "heavy" else 1)
         pieces = body["max_tokens"] * (5 if self.mode == "silent" else 1)
         self.send_response(200)
@@ -101,6 +103,26 @@ class BillingRemote(BaseHTTPRequestHandler):
 
     def _send(self, chunk: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+    def _agent_step(self, body: dict) -> None:
+        """A model in a tool loop: it calls lookup_record_<n> until two results are in, then answers."""
+        results = sum(1 for m in body["messages"] if m["role"] == "tool")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        if results < 2:
+            call = {"index": 0, "id": f"call_{results}", "type": "function",
+                    "function": {"name": f"lookup_record_{results}", "arguments": json.dumps({"record_id": f"CUST-{results}"})}}
+            self._send({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
+            self._send({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+            completion = 12
+        else:
+            self._send({"choices": [{"index": 0, "delta": {"content": "Both records are paid."}}]})
+            self._send({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+            completion = 5
+        self._send({"choices": [], "usage": {"prompt_tokens": prompt_tokens_of(body), "completion_tokens": completion}})
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
 
     def log_message(self, *args) -> None:
         pass
@@ -210,6 +232,7 @@ def test_ten_concurrent_calls_with_a_64_tool_list_never_bill_past_a_cap(ceiling_
     rows = settled_rows(tools_feature)  # an answer is sent after its row is settled
     assert len(rows) == statuses.count(200) and all(row.status == TokenLog.Status.OK for row in rows)
     billed = sum(row.cost_micro_usd for row in rows)
+    print(f"{scope} cap ${cap_usd}: {len(rows)} of 10 admitted, billed ${billed / 1e6:.4f}")  # for the report (-s)
     assert billed <= cap_usd * 1_000_000, f"billed ${billed / 1e6:.4f} against a ${cap_usd} {scope} cap"
     assert all(row.overshoot_tokens == 0 and row.overshoot_micro_usd == 0 for row in rows)
     if cap_usd >= 0.5:
@@ -237,6 +260,65 @@ def test_whatever_is_sent_is_reserved_before_it_is_billed(ceiling_stack, alice, 
     assert row.prompt_tokens + row.completion_tokens <= row.reserved_tokens
     assert row.cost_micro_usd <= row.reserved_cost_micro_usd
     assert (row.overshoot_tokens, row.overshoot_micro_usd) == (0, 0)
+
+
+# --- an agent's tool loop, step by step, billed and capped -------------------------------------------------
+
+
+def run_tool(call) -> str:
+    return json.dumps({"record_id": json.loads(call["function"]["arguments"])["record_id"], "status": "paid"})
+
+
+def test_a_three_step_tool_loop_with_the_official_client_is_billed_step_by_step(ceiling_stack, alice, tools_feature):
+    from openai import OpenAI
+
+    BillingRemote.mode = "agent"
+    client = OpenAI(base_url=f"{ceiling_stack.http_url}/v1", api_key=do_create_api_key(alice, "agent")[1], max_retries=0)
+    messages: list = [{"role": "user", "content": "Are CUST-0 and CUST-1 paid?"}]
+
+    for _ in range(3):
+        completion = client.chat.completions.create(model=MODEL, messages=messages, tools=tools(4), max_tokens=32,
+                                                    parallel_tool_calls=False, extra_body={"feature": "agent"})
+        message = completion.choices[0].message
+        if not message.tool_calls:
+            break
+        messages.append(message.model_dump(exclude_none=True))  # content null beside the calls, as agents send it
+        messages += [{"role": "tool", "tool_call_id": call.id, "content": run_tool(call.model_dump())} for call in message.tool_calls]
+
+    assert message.content == "Both records are paid." and [m["role"] for m in messages].count("tool") == 2
+    rows = list(TokenLog.objects.filter(feature=tools_feature).order_by("created_at"))
+    assert [row.finish_reason for row in rows] == ["tool_calls", "tool_calls", "stop"]
+    for row, received in zip(rows, BillingRemote.received, strict=True):
+        assert row.prompt_tokens == prompt_tokens_of(received) and row.overshoot_tokens == 0  # tool results counted
+        assert row.prompt_tokens + row.completion_tokens <= row.reserved_tokens
+    assert rows[0].prompt_tokens < rows[1].prompt_tokens < rows[2].prompt_tokens  # each step carries more
+    assert BillingRemote.received[1]["messages"][1]["tool_calls"][0]["id"] == "call_0"
+    assert BillingRemote.received[2]["parallel_tool_calls"] is False
+
+
+def test_a_tool_loop_stops_at_the_cap_with_a_sentence(ceiling_stack, alice, tools_feature):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    BillingRemote.mode = "agent"
+    key, plaintext = do_create_api_key(alice, "langchain")
+    Quota.objects.create(user=alice, period="day", max_requests=2)
+    llm = ChatOpenAI(model=MODEL, base_url=f"{ceiling_stack.http_url}/v1", api_key=plaintext, max_tokens=32,
+                     max_retries=0, extra_body={"feature": "agent"}).bind_tools([tool(0)["function"], tool(1)["function"]])
+    history = [HumanMessage("Are CUST-0 and CUST-1 paid?")]
+
+    for _ in range(2):
+        reply = llm.invoke(history)
+        history += [reply, *(ToolMessage(run_tool({"function": {"arguments": json.dumps(c["args"])}}), tool_call_id=c["id"])
+                             for c in reply.tool_calls)]
+    from openai import RateLimitError
+
+    with pytest.raises(RateLimitError) as refused:  # the third step, as LangChain raises it
+        llm.invoke(history)
+
+    assert "You have made 2 of your 2 requests for today" in str(refused.value)
+    assert TokenLog.objects.filter(feature=tools_feature, status=TokenLog.Status.OK).count() == 2
+    assert TokenLog.objects.get(feature=tools_feature, status=TokenLog.Status.REFUSED).refusal_code == "user_requests_per_day"
 
 
 # --- a remote that counts more than any estimate: the overshoot is recorded once, then covered ----------
