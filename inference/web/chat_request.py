@@ -293,14 +293,20 @@ def remote_prompt_tokens(feature: Feature, frame: ChatFrame) -> int:
                                      count_text_tokens)
 
 
-def guard_prompt_tokens(feature: Feature, fallback: Fallback | None, frame: ChatFrame, prompt_tokens: int) -> int:
-    """The prompt count one reservation must cover: a fallback counts its prompt its own way (a remote
-    estimates, the local engine counts exactly), and the guard reserves one count for either."""
+def prompt_for_fallback(feature: Feature, fallback: Fallback | None, frame: ChatFrame, prompt_ids: list[int],
+                        prompt_tokens: int) -> tuple[list[int], int]:
+    """(token ids, count) one reservation must cover when the guard may serve the fallback instead.
+
+    A fallback counts its prompt its own way (a remote estimates, the local engine counts exactly)
+    and the guard reserves one count for either, so it reserves the larger. A local fallback of a
+    remote feature also needs the ids its engine will run.
+    """
     if fallback is None or is_remote(fallback.feature) == is_remote(feature):
-        return prompt_tokens
+        return prompt_ids, prompt_tokens
     if is_remote(fallback.feature):
-        return max(prompt_tokens, remote_prompt_tokens(fallback.feature, frame))
-    return max(prompt_tokens, len(chat_prompt_ids(frame.messages)))
+        return prompt_ids, max(prompt_tokens, remote_prompt_tokens(fallback.feature, frame))
+    ids = chat_prompt_ids(frame.messages)
+    return ids, max(prompt_tokens, len(ids))
 
 
 async def _admit_shielded(request_id, user, feature, frame, prompt_ids, prompt_tokens, max_tokens, loop, facts=None) -> Decision:
@@ -465,6 +471,7 @@ def get_feature(name: str) -> Feature | None:
 @partial(database_sync_to_async, thread_sensitive=False)
 def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, prompt_tokens, max_tokens, loop, facts=None) -> Decision:
     fallback = fallback_for(feature, frame, prompt_tokens)
+    prompt_ids, prompt_tokens = prompt_for_fallback(feature, fallback, frame, prompt_ids, prompt_tokens)
     decision = do_admit_request(
         request_id=request_id,
         user=user,
@@ -472,7 +479,7 @@ def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, promp
         model=model_name(feature),
         messages=frame.messages,
         prompt_ids=prompt_ids,
-        prompt_tokens=guard_prompt_tokens(feature, fallback, frame, prompt_tokens),
+        prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         loop=loop,
         params=frame.params.stored(),
