@@ -297,13 +297,16 @@ def do_finish_delivery(delivery_id: int, *, status_code: int | None, error: str 
 
 QUOTA_FIELDS = ("max_requests", "max_tokens", "max_cost_micro_usd")
 _ABSENT = object()  # a user scope without a row of its own: the default applies
-NOT_CAPS = {"hourly_cost_micro_usd"}  # money that is not a limit: empty reads "none", not "no cap"
+NOT_CAPS = {"hourly_cost_micro_usd"}
+SECRET_FIELDS = {"api_key_encrypted"}  # money that is not a limit: empty reads "none", not "no cap"
 
 
 def audit_text(field: str, value: object) -> str:
     """How a value reads in the audit trail: exact dollars for money, "no cap" for an empty limit."""
     if value is _ABSENT:
         return "default"
+    if field in SECRET_FIELDS:  # the trail says a key changed, never what it is (not even encrypted)
+        return "set" if value else "not set"
     if value is None:
         is_cap = field.startswith("max_") or (field.endswith("_micro_usd") and field not in NOT_CAPS)
         return "no cap" if is_cap else "none"

@@ -19,9 +19,21 @@ from django.core.validators import RegexValidator, validate_email
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from . import costmodel
+from . import costmodel, vault
 from .actions import QUOTA_FIELDS
-from .models import AlertWebhook, Feature, ModelPrice, Period, Provider, Quota, Team, TokenLog, tag_validator
+from .models import (
+    API_KEY_ENV_PREFIX,
+    AlertWebhook,
+    Feature,
+    ModelPrice,
+    Period,
+    Provider,
+    Quota,
+    Team,
+    TokenLog,
+    allowed_key_env,
+    tag_validator,
+)
 from .money import format_usd, parse_usd
 from .periods import local_zone
 from .tags import tag_filter
@@ -258,6 +270,13 @@ class ProviderForm(forms.ModelForm):
         help_text="Local only: prices its tokens from the workers' measured throughput. Empty: priced by hand.",
     )
 
+    # Write-only: never rendered back (render_value=False), kept encrypted (budgets/vault.py).
+    api_key = forms.CharField(
+        label="API key", required=False, strip=True, max_length=4000,
+        widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "new-password"}),
+    )
+    clear_api_key = forms.BooleanField(label="Remove the stored API key", required=False)
+
     class Meta:
         model = Provider
         fields = ["name", "kind", "base_url", "remote_model", "api_key_env", "utilisation_percent"]
@@ -274,6 +293,10 @@ class ProviderForm(forms.ModelForm):
             self.initial.setdefault("hourly_cost_usd", dollars_text(provider.hourly_cost_micro_usd))
         else:
             self.initial.setdefault("thresholds", "50, 80, 100")
+        state = "set (stored encrypted; type a new one to replace it)" if provider.has_api_key else "not set"
+        self.fields["api_key"].help_text = f"Currently {state}. It is never shown again once saved."
+        if not provider.has_api_key:
+            del self.fields["clear_api_key"]
         # Not required: a form posted without it (a script, a remote provider) keeps the current value.
         self.fields["utilisation_percent"].required = False
 
@@ -295,6 +318,12 @@ class ProviderForm(forms.ModelForm):
         name = self.cleaned_data.get("api_key_env", "").strip()
         if name and not re.fullmatch(r"[A-Z_][A-Z0-9_]*", name):
             raise ValidationError("The name of an environment variable: capital letters, digits and _ (the key itself never goes here).")
+        if name and not allowed_key_env(name):
+            raise ValidationError(
+                f"Only variables whose names start with {API_KEY_ENV_PREFIX} can hold a provider's key "
+                f"(e.g. {API_KEY_ENV_PREFIX}VLLM), so that no server secret is sent to a provider; "
+                "or type the key itself in the API key field."
+            )
         return name
 
     def clean_recipients(self) -> str:
@@ -314,9 +343,21 @@ class ProviderForm(forms.ModelForm):
             if self.instance.hourly_cost_micro_usd is not None and cleaned.get("kind") != Provider.Kind.LOCAL:
                 self.add_error("hourly_cost_usd", "Only a local provider runs on a machine of ours; "
                                "a remote server is priced per token (add a price below).")
+        self._set_api_key(cleaned)
         if cleaned.get("kind") == Provider.Kind.OPENAI_COMPATIBLE and not cleaned.get("base_url"):
             self.add_error("base_url", "An OpenAI-compatible provider needs the URL of its server (…/v1).")
         return cleaned
+
+
+    def _set_api_key(self, cleaned: dict) -> None:
+        """Encrypt a typed key onto the instance (the plain text goes no further than this form)."""
+        if cleaned.get("api_key"):
+            try:
+                self.instance.api_key_encrypted = vault.seal(cleaned["api_key"])
+            except vault.SecretsUnavailable as exc:
+                self.add_error("api_key", f"The key was not stored: {exc}")
+        elif cleaned.get("clear_api_key"):
+            self.instance.api_key_encrypted = ""
 
 
 class PriceForm(forms.Form):

@@ -434,6 +434,28 @@ CEILING_THROUGHPUT_EVERY_S = envfloat("CEILING_THROUGHPUT_EVERY_S", 30.0, minimu
 CEILING_LOOP_MAX_CALLS = envint("CEILING_LOOP_MAX_CALLS", 10, minimum=1)
 CEILING_LOOP_MAX_COST_MICRO_USD = envint("CEILING_LOOP_MAX_COST_MICRO_USD", 1_000_000, minimum=0)
 
+# --- Secrets Ceiling keeps (budgets/vault.py) ---------------------------------------------------
+# Fernet keys, comma-separated: the first encrypts the provider API keys staff enter, every one
+# decrypts (put a new key first to rotate, run `manage.py rotate_secrets`, then drop the old one).
+# Empty: staff cannot store a key (the page says so); CEILING_PROVIDER_KEY_* variables still work.
+CEILING_SECRETS_KEY = envstr("CEILING_SECRETS_KEY", "")
+
+
+def _check_fernet_keys(raw: str) -> None:
+    from cryptography.fernet import Fernet
+
+    for key in (part.strip() for part in raw.split(",") if part.strip()):
+        try:
+            Fernet(key.encode())
+        except ValueError:
+            raise ImproperlyConfigured(
+                "CEILING_SECRETS_KEY holds something that is not a Fernet key (32 url-safe base64-encoded bytes); "
+                'make one with python -c "from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())"'
+            ) from None
+
+
+_check_fernet_keys(CEILING_SECRETS_KEY)
+
 # --- Metrics ----------------------------------------------------------------------------------
 # GET /metrics wants `Authorization: Bearer <this>`; empty (the default) switches the endpoint off (404).
 CEILING_METRICS_TOKEN = envstr("CEILING_METRICS_TOKEN", "")

@@ -41,7 +41,8 @@ from functools import lru_cache
 import httpx2 as httpx
 import redis
 
-from budgets.models import Provider
+from budgets.models import API_KEY_ENV_PREFIX, Provider, allowed_key_env
+from budgets.vault import SecretsUnavailable, unseal
 from inference.bus.cancel import is_cancel_requested
 from inference.bus.trace import mark
 from inference.engine import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
@@ -296,10 +297,8 @@ def open_stream(request_id: str, provider: Provider, model: str, messages: list[
     if not provider.base_url:
         raise RemoteConfigError(f"{label} has no base URL")
     headers = {"Accept": "text/event-stream"}
-    if provider.api_key_env:
-        key = os.environ.get(provider.api_key_env)
-        if not key:
-            raise RemoteConfigError(f"{label} needs an API key, but {provider.api_key_env} is not set on this worker")
+    key = provider_api_key(provider, label)
+    if key:
         headers["Authorization"] = f"Bearer {key}"
     body = {
         "model": provider.remote_model or model,
@@ -310,6 +309,30 @@ def open_stream(request_id: str, provider: Provider, model: str, messages: list[
         **{name: value for name, value in (params or {}).items() if name in PASSED_THROUGH},
     }
     return RemoteStream(request_id, provider.base_url.rstrip("/") + "/chat/completions", headers, body, label)
+
+
+def provider_api_key(provider: Provider, label: str) -> str:
+    """The key staff stored (decrypted here, at use), else the allowed environment variable's; "" for none.
+
+    The variable's name is checked again here, not only by the form: a row written some other way
+    (an old row, the admin, a script) must not make this worker send SECRET_KEY or DATABASE_URL out.
+    """
+    if provider.api_key_encrypted:
+        try:
+            return unseal(provider.api_key_encrypted)
+        except SecretsUnavailable as exc:
+            raise RemoteConfigError(f"{label}'s stored API key cannot be read on this worker: {exc}") from None
+    if not provider.api_key_env:
+        return ""
+    if not allowed_key_env(provider.api_key_env):
+        raise RemoteConfigError(
+            f"{label} names {provider.api_key_env} for its API key; only variables starting {API_KEY_ENV_PREFIX} "
+            "are read (staff: enter the key on the provider's page, or rename the variable)"
+        )
+    key = os.environ.get(provider.api_key_env)
+    if not key:
+        raise RemoteConfigError(f"{label} needs an API key, but {provider.api_key_env} is not set on this worker")
+    return key
 
 
 # --- helpers ---------------------------------------------------------------------------------------
