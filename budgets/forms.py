@@ -19,7 +19,7 @@ from django.core.validators import RegexValidator, validate_email
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from . import costmodel, vault
+from . import costmodel, outbound, vault
 from .actions import QUOTA_FIELDS
 from .models import (
     API_KEY_ENV_PREFIX,
@@ -313,6 +313,15 @@ class ProviderForm(forms.ModelForm):
 
     def clean_thresholds(self) -> list[int]:
         return parse_thresholds(self.cleaned_data["thresholds"])
+
+    def clean_base_url(self) -> str:
+        url = self.cleaned_data.get("base_url", "").strip()
+        if url:
+            try:
+                outbound.check_url(url, outbound.PROVIDER)
+            except outbound.OutboundRefused as exc:
+                raise ValidationError(f"This URL is not allowed: {exc}.") from None
+        return url
 
     def clean_api_key_env(self) -> str:
         name = self.cleaned_data.get("api_key_env", "").strip()
@@ -641,6 +650,10 @@ class WebhookForm(forms.Form):
         url = self.cleaned_data["url"]
         if not url.startswith(("http://", "https://")):
             raise ValidationError("A webhook URL starts with http:// or https://.")
+        try:
+            outbound.check_url(url, outbound.WEBHOOK)
+        except outbound.OutboundRefused as exc:
+            raise ValidationError(f"This URL is not allowed: {exc}.") from None
         return url
 
     def clean(self) -> dict:

@@ -21,12 +21,12 @@ import json
 import logging
 import secrets
 
-import httpx2 as httpx
 from django.utils import timezone
 
 from .actions import do_claim_delivery, do_finish_delivery
 from .alerts import alert_email
 from .models import Alert, AlertWebhook, WebhookDelivery
+from .outbound import WEBHOOK, OutboundRefused, error_excerpt, policy_client
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +119,15 @@ def post(hook: AlertWebhook, delivery: WebhookDelivery) -> tuple[int | None, str
         DELIVERY_HEADER: str(delivery.id),
     }
     try:
-        response = httpx.post(hook.url, content=body, headers=headers, timeout=TIMEOUT_S, follow_redirects=False)
+        # The outbound policy again at connect time (DNS may have changed since the save); no redirects.
+        with policy_client(WEBHOOK, timeout=TIMEOUT_S) as client:
+            response = client.post(hook.url, content=body, headers=headers)
+    except OutboundRefused as exc:
+        return None, f"refused by the outbound policy: {exc}"
     except Exception as exc:  # noqa: BLE001 - whatever broke, the claim must be released and the error shown
-        return None, f"{type(exc).__name__}: {exc}"
+        return None, error_excerpt(f"{type(exc).__name__}: {exc}", 500)
     if 200 <= response.status_code < 300:
         return response.status_code, ""
-    return response.status_code, f"HTTP {response.status_code}: {response.text[:200]}"
+    if 300 <= response.status_code < 400:
+        return response.status_code, f"HTTP {response.status_code}: redirects are not followed ({error_excerpt(response.headers.get('location', ''))})"
+    return response.status_code, f"HTTP {response.status_code}: {error_excerpt(response.text)}"

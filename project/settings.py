@@ -456,6 +456,12 @@ def _check_fernet_keys(raw: str) -> None:
 
 _check_fernet_keys(CEILING_SECRETS_KEY)
 
+# --- Outbound calls (budgets/outbound.py) -------------------------------------------------------
+# Webhook URLs may not reach loopback or private addresses (Redis, PostgreSQL, the admin of a router)
+# unless this is true; providers may (a vLLM beside the workers is normal). Link-local and cloud
+# metadata addresses are refused for both, whatever this says.
+CEILING_WEBHOOK_ALLOW_PRIVATE = envbool("CEILING_WEBHOOK_ALLOW_PRIVATE", False)
+
 # --- Metrics ----------------------------------------------------------------------------------
 # GET /metrics wants `Authorization: Bearer <this>`; empty (the default) switches the endpoint off (404).
 CEILING_METRICS_TOKEN = envstr("CEILING_METRICS_TOKEN", "")

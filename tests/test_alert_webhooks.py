@@ -32,6 +32,12 @@ pytestmark = pytest.mark.django_db(transaction=True)
 smtp, eager_tasks, provider = test_alerts.smtp, test_alerts.eager_tasks, test_alerts.provider
 
 
+@pytest.fixture(autouse=True)
+def loopback_receivers(settings):
+    """The receivers listen on 127.0.0.1, which webhooks may call only when private addresses are allowed."""
+    settings.CEILING_WEBHOOK_ALLOW_PRIVATE = True
+
+
 @dataclass
 class Received:
     headers: dict[str, str]
