@@ -376,6 +376,11 @@ CEILING_ENGINE_AUTOSTART = envbool("CEILING_ENGINE_AUTOSTART", True)
 
 # --- Requests --------------------------------------------------------------------------------
 CEILING_MAX_FRAME_BYTES = envint("CEILING_MAX_FRAME_BYTES", 64 * 1024, minimum=1024)
+# Any HTTP request body over this is refused at the ASGI edge (project/bodylimit.py) before Django
+# reads it: 413, by the declared Content-Length at once, or counted as a chunked body arrives. /v1
+# bodies are held to CEILING_MAX_FRAME_BYTES there. Above DATA_UPLOAD_MAX_MEMORY_SIZE (2.5 MB), so
+# Django's own 400 for big forms still speaks below it.
+CEILING_MAX_BODY_BYTES = envint("CEILING_MAX_BODY_BYTES", 3 * 1024 * 1024, minimum=1024)
 CEILING_DEFAULT_MAX_TOKENS = envint("CEILING_DEFAULT_MAX_TOKENS", 256, minimum=1)
 CEILING_MAX_TOKENS_LIMIT = envint("CEILING_MAX_TOKENS_LIMIT", 1024, minimum=1)
 CEILING_MAX_INPUT_TOKENS = envint("CEILING_MAX_INPUT_TOKENS", 2048, minimum=1)

@@ -25,6 +25,38 @@ class FrameError(ValueError):
         self.message = message
 
 
+# JSON nested deeper than this is refused before it is parsed: Python's decoder recurses once per
+# level, and "[" * 3000 raised RecursionError (not ValueError), which reached the client as a 500
+# page or a dropped socket. Real requests (tool schemas included) nest a dozen levels at most.
+MAX_JSON_DEPTH = 100
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def json_depth(text: str) -> int:
+    """How deep `text`'s arrays and objects nest (brackets inside strings do not count)."""
+    depth = deepest = 0
+    for bracket in _JSON_BRACKET.findall(_JSON_STRING.sub("", text)):
+        if bracket in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def loads_limited(data: str | bytes, what: str) -> object:
+    """json.loads, with any failure (deep nesting, bad UTF-8, a 5,000-digit number) as FrameError bad_json."""
+    text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
+    # Counting brackets is C-speed; only a text with that many scans for its depth.
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and json_depth(text) > MAX_JSON_DEPTH:
+        raise FrameError("bad_json", f"The {what} nests JSON deeper than {MAX_JSON_DEPTH} levels.")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise FrameError("bad_json", f"The {what} is not valid JSON.") from None
+
+
 @dataclass(frozen=True)
 class ChatFrame:
     feature: str
@@ -54,10 +86,7 @@ def parse_frame(text: str | None) -> ChatFrame | CancelFrame:
             "frame_too_large",
             f"The message is {size:,} bytes; the limit is {settings.CEILING_MAX_FRAME_BYTES:,} bytes.",
         )
-    try:
-        data = json.loads(text)
-    except ValueError:
-        raise FrameError("bad_json", "The frame is not valid JSON.") from None
+    data = loads_limited(text, "frame")
     if not isinstance(data, dict):
         raise FrameError("bad_frame", "The frame must be a JSON object with a \"type\".")
     kind = data.get("type")
