@@ -23,7 +23,13 @@ import secrets
 
 from django.utils import timezone
 
-from .actions import do_claim_delivery, do_finish_delivery
+from .actions import (
+    WEBHOOK_FIRST_RETRY_S,
+    WEBHOOK_MAX_ATTEMPTS,
+    do_claim_delivery,
+    do_finish_delivery,
+    webhook_retry_countdown,
+)
 from .alerts import alert_email
 from .models import Alert, AlertWebhook, WebhookDelivery
 from .outbound import WEBHOOK, OutboundRefused, error_excerpt, policy_client
@@ -32,18 +38,24 @@ log = logging.getLogger(__name__)
 
 SIGNATURE_HEADER = "X-Ceiling-Signature"
 DELIVERY_HEADER = "X-Ceiling-Delivery"
-MAX_ATTEMPTS = 6  # the first POST and five retries: 1, 2, 4, 8, 16 minutes apart
-FIRST_RETRY_S = 60
+MAX_ATTEMPTS = WEBHOOK_MAX_ATTEMPTS  # the first POST and five retries: 1, 2, 4, 8, 16 minutes apart
+FIRST_RETRY_S = WEBHOOK_FIRST_RETRY_S
+retry_countdown = webhook_retry_countdown
 TIMEOUT_S = 10.0  # a receiver slower than this counts as failed and is tried again later
 SECRET_BYTES = 32
 
 
 class WebhookNotSent(RuntimeError):
-    """One attempt failed; the claim is released so a retry can take it (unless `gave_up`)."""
+    """One attempt failed; the claim is released so a retry can take it (unless `gave_up`).
 
-    def __init__(self, message: str, *, gave_up: bool) -> None:
+    retry_in_s: when the next attempt is due, from the attempts the row counts (a chain of retries
+    that a sweep started at attempt 3 waits 4 minutes, not the first retry's one).
+    """
+
+    def __init__(self, message: str, *, gave_up: bool, retry_in_s: int = FIRST_RETRY_S) -> None:
         super().__init__(message)
         self.gave_up = gave_up
+        self.retry_in_s = retry_in_s
 
 
 def new_secret() -> str:
@@ -53,11 +65,6 @@ def new_secret() -> str:
 def sign(secret: str, body: bytes) -> str:
     """The signature header's value for this body."""
     return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
-
-
-def retry_countdown(retries_so_far: int) -> int:
-    """Seconds before the next attempt: doubling from a minute, so an hour-long outage is bridged."""
-    return FIRST_RETRY_S * 2**retries_so_far
 
 
 def webhook_body(alert: Alert, body_format: str) -> bytes:
@@ -106,7 +113,8 @@ def deliver_webhook(delivery_id: int) -> bool:
     gave_up = delivery.attempts >= MAX_ATTEMPTS
     do_finish_delivery(delivery.id, status_code=status_code, error=error, give_up=gave_up)
     log.warning("webhook delivery %s, attempt %s: %s%s", delivery.id, delivery.attempts, error, " (giving up)" if gave_up else "")
-    raise WebhookNotSent(f"delivery {delivery.id}: {error}", gave_up=gave_up)
+    raise WebhookNotSent(f"delivery {delivery.id}: {error}", gave_up=gave_up,
+                         retry_in_s=retry_countdown(max(0, delivery.attempts - 1)))
 
 
 def post(hook: AlertWebhook, delivery: WebhookDelivery) -> tuple[int | None, str]:
