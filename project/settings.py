@@ -80,6 +80,27 @@ def database_pool_options() -> dict:
     }
 
 
+SQLITE_BUSY_TIMEOUT_S = 20
+
+
+def sqlite_options() -> dict:
+    """`make run` shares one SQLite file between daphne and a 32-thread worker: without these the
+    worker logged `database is locked` under 60 chats at once.
+
+    - WAL: readers no longer block the writer nor it them (the journal mode is kept in the file);
+      synchronous=NORMAL is WAL's usual pairing (durable across a crash of the process).
+    - a busy timeout: a writer waits up to 20 s for the lock instead of failing at once.
+    - BEGIN IMMEDIATE for every transaction (Django 5.1+): a transaction that reads and then writes
+      takes the write lock at its start; begun DEFERRED, its upgrade fails at once with
+      "database is locked" whatever the timeout, when another writer went first.
+    """
+    return {
+        "timeout": SQLITE_BUSY_TIMEOUT_S,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": f"PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000};",
+    }
+
+
 def database_from_url(url: str) -> dict:
     """DATABASE_URL → Django DATABASES entry. sqlite:///relative/or//absolute, postgres://..."""
     parsed = urlparse(url)
@@ -90,7 +111,7 @@ def database_from_url(url: str) -> dict:
         return {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": path if os.path.isabs(path) else str(BASE_DIR / path),
-            "OPTIONS": {"timeout": 20},
+            "OPTIONS": sqlite_options(),
         }
     if parsed.scheme in ("postgres", "postgresql", "pgsql"):
         name = unquote(parsed.path.lstrip("/"))
@@ -423,6 +444,13 @@ if CEILING_COUNTERS_WAIT_REPLICAS and CEILING_COUNTERS_WAIT_MS >= CEILING_GUARD_
 # A request still "running" this long after admission was lost (worker crash): reconciliation
 # marks it failed and releases its reservation.
 CEILING_RESERVATION_TTL_S = envint("CEILING_RESERVATION_TTL_S", 600, minimum=60)
+if CEILING_RESERVATION_TTL_S <= CEILING_TOTAL_TIMEOUT_S:
+    # Reconciliation fails a request still running past the TTL: one shorter than the longest a
+    # request may run would fail (and release) requests that are still generating.
+    raise ImproperlyConfigured(
+        f"CEILING_RESERVATION_TTL_S={CEILING_RESERVATION_TTL_S} must be above CEILING_TOTAL_TIMEOUT_S "
+        f"({CEILING_TOTAL_TIMEOUT_S:g} s), the longest a request may run; else reconciliation fails requests still running"
+    )
 # On PostgreSQL, admissions outside a transaction write their ledger rows through one writer thread
 # per process that commits many at once (budgets/ledger_writer.py); each still waits for its commit.
 # Off by default: on a 2-core machine with a local PostgreSQL, where CPU and not commits limits
