@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts.management.database import DatabaseCommand
 from budgets import vault
 from budgets.models import Provider
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = "Re-encrypt the providers' stored API keys with the first key in CEILING_SECRETS_KEY."
 
     def handle(self, *args, **options) -> None:
