@@ -36,7 +36,7 @@ from .models import (
 )
 from .money import format_usd, parse_usd
 from .periods import local_zone
-from .tags import tag_filter
+from .tags import normalise_tag, tag_filter
 from .usage import caps_of
 
 MAX_USD = Decimal("1000000000")  # far beyond any real cap, far below the bigint column
@@ -255,6 +255,13 @@ def parse_recipients(text: str) -> list[str]:
         except ValidationError:
             raise ValidationError(f"“{address}” is not an email address.") from None
     return list(dict.fromkeys(addresses))
+
+
+class TagField(forms.CharField):
+    """A tag name as people type it, normalised (budgets.tags.normalise_tag) before it is validated."""
+
+    def to_python(self, value) -> str:
+        return normalise_tag(super().to_python(value))
 
 
 class ProviderForm(forms.ModelForm):
@@ -566,7 +573,7 @@ class LogFilterForm(forms.Form):
         validators=[RegexValidator(r"^[a-z0-9_]+$", "Refusal codes are lowercase letters, digits and _.")],
     )
     team = forms.CharField(required=False, max_length=64, label="Team")
-    tag = forms.CharField(required=False, max_length=32, label="Tag", validators=[tag_validator])
+    tag = TagField(required=False, max_length=32, label="Tag", validators=[tag_validator])
     date_from = forms.DateField(required=False, label="From", widget=forms.DateInput(attrs={"type": "date"}))
     date_to = forms.DateField(required=False, label="To (inclusive)", widget=forms.DateInput(attrs={"type": "date"}))
     before = forms.CharField(required=False, widget=forms.HiddenInput)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
-from budgets.tags import MAX_TAGS, TAG_RE, TAG_RULE
+from budgets.tags import MAX_TAGS, TAG_RULE, is_tag, normalise_tag
 
 from .params import DEFAULT, GenerationParams
 
@@ -115,16 +115,17 @@ def parse_chat(data: dict) -> ChatFrame:
 
 
 def parse_tags(value) -> tuple[str, ...]:
-    """A list of at most MAX_TAGS tag names, each as TAG_RE says; repeats count once, order kept."""
+    """A list of at most MAX_TAGS tag names, each as TAG_RE says once trimmed and lower-cased
+    (normalise_tag); repeats, in any spelling, count once; order kept."""
     if value is None:
         return ()
     if not isinstance(value, list) or not all(isinstance(tag, str) for tag in value):
         raise FrameError("bad_tags", "\"tags\" must be a list of tag names, such as [\"support\", \"beta\"].")
-    tags = tuple(dict.fromkeys(value))
+    tags = tuple(dict.fromkeys(normalise_tag(tag) for tag in value))
     if len(tags) > MAX_TAGS:
         raise FrameError("bad_tags", f"{len(tags)} tags is too many; a request may carry at most {MAX_TAGS}.")
     for tag in tags:
-        if not re.match(TAG_RE, tag):
+        if not is_tag(tag):
             shown = tag[:40] if storable(tag) else "(not text)"
             raise FrameError(
                 "bad_tags",
