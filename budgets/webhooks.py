@@ -8,18 +8,30 @@ Slack-compatible receivers, `{"text": ...}` alone. Every POST carries
     X-Ceiling-Signature: sha256=<hex HMAC-SHA256 of the exact body bytes, keyed by the webhook's secret>
     X-Ceiling-Delivery: <delivery id>   (the same on every attempt: a receiver dedupes by it)
 
+and the Standard Webhooks headers (standardwebhooks.com), whose signature also covers the id and
+the moment, so a captured delivery cannot be replayed later as a new one:
+
+    webhook-id: <delivery id>   webhook-timestamp: <Unix seconds of this attempt>
+    webhook-signature: v1,<base64 HMAC-SHA256 of "{id}.{timestamp}.{body}", keyed by the secret's bytes>
+
+(A Standard Webhooks library takes the secret as "whsec_" + base64 of the secret's UTF-8 bytes.)
+X-Ceiling-Signature stays for one release, for receivers that check it; new receivers should check
+webhook-signature and refuse a timestamp more than 5 minutes away from their clock.
+
 A receiver checks the signature before it believes anything in the body. Our side sends each
 delivery until one attempt gets a 2xx; a receiver that took the POST but whose answer was lost
-sees it again, with the same X-Ceiling-Delivery.
+sees it again, with the same X-Ceiling-Delivery and webhook-id.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
 import logging
 import secrets
+import time
 
 from django.utils import timezone
 
@@ -63,8 +75,25 @@ def new_secret() -> str:
 
 
 def sign(secret: str, body: bytes) -> str:
-    """The signature header's value for this body."""
+    """The X-Ceiling-Signature value for this body (the body alone: kept for one release)."""
     return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def standard_signature(secret: str, message_id: str, timestamp: int, body: bytes) -> str:
+    """The Standard Webhooks `webhook-signature` value: v1, then the base64 HMAC of id.timestamp.body."""
+    signed = f"{message_id}.{timestamp}.".encode() + body
+    return "v1," + base64.b64encode(hmac.new(secret.encode(), signed, hashlib.sha256).digest()).decode()
+
+
+def signed_headers(secret: str, message_id: str, body: bytes, now: float | None = None) -> dict[str, str]:
+    timestamp = int(time.time() if now is None else now)
+    return {
+        SIGNATURE_HEADER: sign(secret, body),
+        DELIVERY_HEADER: message_id,
+        "webhook-id": message_id,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": standard_signature(secret, message_id, timestamp, body),
+    }
 
 
 def webhook_body(alert: Alert, body_format: str) -> bytes:
@@ -123,8 +152,7 @@ def post(hook: AlertWebhook, delivery: WebhookDelivery) -> tuple[int | None, str
     headers = {
         "Content-Type": "application/json",
         "User-Agent": "Ceiling-Alerts/1",
-        SIGNATURE_HEADER: sign(hook.secret, body),
-        DELIVERY_HEADER: str(delivery.id),
+        **signed_headers(hook.secret, str(delivery.id), body),
     }
     try:
         # The outbound policy again at connect time (DNS may have changed since the save); no redirects.

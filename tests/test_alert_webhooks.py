@@ -301,3 +301,38 @@ def test_a_retry_waits_as_long_as_the_rows_attempts_say_whoever_queued_it(receiv
     with pytest.raises(WebhookNotSent) as failed:
         deliver_webhook(delivery.id)
     assert failed.value.retry_in_s == 480
+
+
+def standard_webhooks_verify(whsec: str, headers: dict[str, str], body: bytes, tolerance_s: int = 300) -> bool:
+    """What a Standard Webhooks library does (standardwebhooks.com): the key is the base64 after
+    "whsec_"; the timestamp must be near; any "v1," signature listed may match."""
+    import base64
+    import time
+
+    key = base64.b64decode(whsec.removeprefix("whsec_"))
+    msg_id, stamp = headers["webhook-id"], headers["webhook-timestamp"]
+    if abs(time.time() - int(stamp)) > tolerance_s:
+        return False
+    expected = base64.b64encode(hmac.new(key, f"{msg_id}.{stamp}.".encode() + body, hashlib.sha256).digest()).decode()
+    return any(hmac.compare_digest(sig.removeprefix("v1,"), expected) for sig in headers["webhook-signature"].split())
+
+
+def test_a_delivery_carries_standard_webhooks_headers_that_bind_its_id_and_time(smtp, receivers, provider, alice, chat_feature):
+    import base64
+
+    receiver = receivers()
+    hook = webhook(provider, receiver.url)
+    spend(provider, alice, chat_feature, 50_000_000)
+    check_provider_thresholds(provider.id)
+
+    [post] = receiver.delivered()
+    headers = {name.lower(): value for name, value in post.headers.items()}
+    whsec = "whsec_" + base64.b64encode(hook.secret.encode()).decode()  # as docs/alerts.md tells receivers
+    assert headers["webhook-id"] == headers[DELIVERY_HEADER.lower()]
+    assert standard_webhooks_verify(whsec, headers, post.body)
+    assert signed_by(hook, post)  # the old header, kept for one release
+    # Replayed later with a fresh timestamp, or with another delivery's id, the signature fails:
+    # before, the signature covered the body alone and a captured POST verified forever.
+    later = {**headers, "webhook-timestamp": str(int(headers["webhook-timestamp"]) + 3600)}
+    assert not standard_webhooks_verify(whsec, later, post.body, tolerance_s=10**9)
+    assert not standard_webhooks_verify(whsec, {**headers, "webhook-id": "999999"}, post.body)
