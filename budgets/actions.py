@@ -252,11 +252,38 @@ def do_claim_alert(alert_id: int) -> Alert | None:
     return Alert.objects.get(id=alert_id)
 
 
+# A webhook delivery's schedule (budgets/webhooks.py re-exports it): the first POST and five retries,
+# 1, 2, 4, 8, 16 minutes apart.
+WEBHOOK_MAX_ATTEMPTS = 6
+WEBHOOK_FIRST_RETRY_S = 60
+# The sweeper takes a failed delivery only this long after its retry was due: the retry the failed
+# attempt scheduled (a Celery countdown) goes first, and the sweeper only stands in for one that was lost.
+WEBHOOK_SWEEP_GRACE_S = 60
+
+
+def webhook_retry_countdown(retries_so_far: int) -> int:
+    """Seconds before the next attempt: doubling from a minute, so an hour-long outage is bridged."""
+    return WEBHOOK_FIRST_RETRY_S * 2**retries_so_far
+
+
+def webhook_retry_overdue(now: datetime) -> models.Q:
+    """Deliveries whose next attempt is overdue by the grace: never tried, or failed `attempts` times
+    and last tried more than the backoff after that many attempts (plus the grace) ago."""
+    overdue = models.Q(attempts=0) | models.Q(last_attempt_at__isnull=True)
+    for attempts in range(1, WEBHOOK_MAX_ATTEMPTS):
+        wait = timedelta(seconds=webhook_retry_countdown(attempts - 1) + WEBHOOK_SWEEP_GRACE_S)
+        overdue |= models.Q(attempts=attempts, last_attempt_at__lte=now - wait)
+    return overdue
+
+
 def do_requeue_unsent_alerts(stale_after_s: int = 300) -> int:
     """The outbox sweeper: queue again every channel not sent yet, releasing claims a dead worker left.
 
     Covers a broker that was away when the alert was raised and a worker that died mid-send. A
-    webhook whose attempts ran out is not queued again: it stays failed, on the alerts page.
+    webhook whose attempts ran out is not queued again: it stays failed, on the alerts page. A
+    webhook that failed is queued only once its backoff has passed (webhook_retry_overdue): every
+    worker sweeps each minute, and re-queueing a failed delivery at once spent all six attempts
+    within minutes.
     """
     now = timezone.now()
     stale = now - timedelta(seconds=stale_after_s)
@@ -267,6 +294,7 @@ def do_requeue_unsent_alerts(stale_after_s: int = 300) -> int:
         _queue_alert_email(alert_id)
     hooks = list(
         WebhookDelivery.objects.filter(sent_at__isnull=True, gave_up_at__isnull=True, claimed_at__isnull=True)
+        .filter(webhook_retry_overdue(now))
         .values_list("id", flat=True)
     )
     for delivery_id in hooks:
@@ -315,13 +343,16 @@ def do_finish_delivery(delivery_id: int, *, status_code: int | None, error: str 
 
 QUOTA_FIELDS = ("max_requests", "max_tokens", "max_cost_micro_usd")
 _ABSENT = object()  # a user scope without a row of its own: the default applies
-NOT_CAPS = {"hourly_cost_micro_usd"}  # money that is not a limit: empty reads "none", not "no cap"
+NOT_CAPS = {"hourly_cost_micro_usd"}
+SECRET_FIELDS = {"api_key_encrypted"}  # money that is not a limit: empty reads "none", not "no cap"
 
 
 def audit_text(field: str, value: object) -> str:
     """How a value reads in the audit trail: exact dollars for money, "no cap" for an empty limit."""
     if value is _ABSENT:
         return "default"
+    if field in SECRET_FIELDS:  # the trail says a key changed, never what it is (not even encrypted)
+        return "set" if value else "not set"
     if value is None:
         is_cap = field.startswith("max_") or (field.endswith("_micro_usd") and field not in NOT_CAPS)
         return "no cap" if is_cap else "none"

@@ -132,13 +132,13 @@ def team_monthly_cap(team_id: int) -> int | None:
     )
 
 
-def check_provider_thresholds_safely(provider_id: int) -> list[int]:
+def check_provider_thresholds_safely(provider_id: int, at: datetime | None = None) -> list[int]:
     """check_provider_thresholds for the settling path: a problem is logged, never raised.
 
     A request must be settled whatever happens to its alert; the next settle checks again.
     """
     try:
-        return check_provider_thresholds(provider_id)
+        return check_provider_thresholds(provider_id, at)
     except Exception:
         log.exception("spend alert check failed for provider %s", provider_id)
         return []
@@ -146,13 +146,18 @@ def check_provider_thresholds_safely(provider_id: int) -> list[int]:
 
 def check_thresholds_after_settle(row: TokenLog) -> list[int]:
     """The settling path's check: the row's provider (when it has a limit) and the team it was
-    admitted under. Logs, never raises: a request must be settled whatever happens to its alert."""
+    admitted under. Logs, never raises: a request must be settled whatever happens to its alert.
+
+    Against the month of the row (its admission, where the ledger and the guard count it), not of
+    now: a request admitted at 23:59:59 on the month's last day settles in the next month, and
+    checked against that month its crossing was never seen.
+    """
     new_ids = []
     if row.provider_id is not None and row.provider.monthly_limit_micro_usd is not None:
-        new_ids += check_provider_thresholds_safely(row.provider_id)
+        new_ids += check_provider_thresholds_safely(row.provider_id, row.created_at)
     if row.team_id is not None:
         try:
-            new_ids += check_team_thresholds(row.team_id)
+            new_ids += check_team_thresholds(row.team_id, row.created_at)
         except Exception:
             log.exception("spend alert check failed for team %s", row.team_id)
     return new_ids

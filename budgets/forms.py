@@ -19,12 +19,24 @@ from django.core.validators import RegexValidator, validate_email
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from . import costmodel
+from . import costmodel, outbound, vault
 from .actions import QUOTA_FIELDS
-from .models import AlertWebhook, Feature, ModelPrice, Period, Provider, Quota, Team, TokenLog, tag_validator
+from .models import (
+    API_KEY_ENV_PREFIX,
+    AlertWebhook,
+    Feature,
+    ModelPrice,
+    Period,
+    Provider,
+    Quota,
+    Team,
+    TokenLog,
+    allowed_key_env,
+    tag_validator,
+)
 from .money import format_usd, parse_usd
 from .periods import local_zone
-from .tags import tag_filter
+from .tags import normalise_tag, tag_filter
 from .usage import caps_of
 
 MAX_USD = Decimal("1000000000")  # far beyond any real cap, far below the bigint column
@@ -252,6 +264,13 @@ def parse_recipients(text: str) -> list[str]:
     return list(dict.fromkeys(addresses))
 
 
+class TagField(forms.CharField):
+    """A tag name as people type it, normalised (budgets.tags.normalise_tag) before it is validated."""
+
+    def to_python(self, value) -> str:
+        return normalise_tag(super().to_python(value))
+
+
 class ProviderForm(forms.ModelForm):
     monthly_limit_usd = DollarsField(label="Monthly limit ($)", required=False, help_text="Empty: no limit.")
     thresholds = forms.CharField(
@@ -264,6 +283,13 @@ class ProviderForm(forms.ModelForm):
         label="Machine cost per hour ($)", required=False,
         help_text="Local only: prices its tokens from the workers' measured throughput. Empty: priced by hand.",
     )
+
+    # Write-only: never rendered back (render_value=False), kept encrypted (budgets/vault.py).
+    api_key = forms.CharField(
+        label="API key", required=False, strip=True, max_length=4000,
+        widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "new-password"}),
+    )
+    clear_api_key = forms.BooleanField(label="Remove the stored API key", required=False)
 
     class Meta:
         model = Provider
@@ -281,6 +307,10 @@ class ProviderForm(forms.ModelForm):
             self.initial.setdefault("hourly_cost_usd", dollars_text(provider.hourly_cost_micro_usd))
         else:
             self.initial.setdefault("thresholds", "50, 80, 100")
+        state = "set (stored encrypted; type a new one to replace it)" if provider.has_api_key else "not set"
+        self.fields["api_key"].help_text = f"Currently {state}. It is never shown again once saved."
+        if not provider.has_api_key:
+            del self.fields["clear_api_key"]
         # Not required: a form posted without it (a script, a remote provider) keeps the current value.
         self.fields["utilisation_percent"].required = False
 
@@ -298,10 +328,25 @@ class ProviderForm(forms.ModelForm):
     def clean_thresholds(self) -> list[int]:
         return parse_thresholds(self.cleaned_data["thresholds"])
 
+    def clean_base_url(self) -> str:
+        url = self.cleaned_data.get("base_url", "").strip()
+        if url:
+            try:
+                outbound.check_url(url, outbound.PROVIDER)
+            except outbound.OutboundRefused as exc:
+                raise ValidationError(f"This URL is not allowed: {exc}.") from None
+        return url
+
     def clean_api_key_env(self) -> str:
         name = self.cleaned_data.get("api_key_env", "").strip()
         if name and not re.fullmatch(r"[A-Z_][A-Z0-9_]*", name):
             raise ValidationError("The name of an environment variable: capital letters, digits and _ (the key itself never goes here).")
+        if name and not allowed_key_env(name):
+            raise ValidationError(
+                f"Only variables whose names start with {API_KEY_ENV_PREFIX} can hold a provider's key "
+                f"(e.g. {API_KEY_ENV_PREFIX}VLLM), so that no server secret is sent to a provider; "
+                "or type the key itself in the API key field."
+            )
         return name
 
     def clean_recipients(self) -> str:
@@ -321,9 +366,21 @@ class ProviderForm(forms.ModelForm):
             if self.instance.hourly_cost_micro_usd is not None and cleaned.get("kind") != Provider.Kind.LOCAL:
                 self.add_error("hourly_cost_usd", "Only a local provider runs on a machine of ours; "
                                "a remote server is priced per token (add a price below).")
+        self._set_api_key(cleaned)
         if cleaned.get("kind") == Provider.Kind.OPENAI_COMPATIBLE and not cleaned.get("base_url"):
             self.add_error("base_url", "An OpenAI-compatible provider needs the URL of its server (…/v1).")
         return cleaned
+
+
+    def _set_api_key(self, cleaned: dict) -> None:
+        """Encrypt a typed key onto the instance (the plain text goes no further than this form)."""
+        if cleaned.get("api_key"):
+            try:
+                self.instance.api_key_encrypted = vault.seal(cleaned["api_key"])
+            except vault.SecretsUnavailable as exc:
+                self.add_error("api_key", f"The key was not stored: {exc}")
+        elif cleaned.get("clear_api_key"):
+            self.instance.api_key_encrypted = ""
 
 
 class PriceForm(forms.Form):
@@ -523,7 +580,7 @@ class LogFilterForm(forms.Form):
         validators=[RegexValidator(r"^[a-z0-9_]+$", "Refusal codes are lowercase letters, digits and _.")],
     )
     team = forms.CharField(required=False, max_length=64, label="Team")
-    tag = forms.CharField(required=False, max_length=32, label="Tag", validators=[tag_validator])
+    tag = TagField(required=False, max_length=32, label="Tag", validators=[tag_validator])
     date_from = forms.DateField(required=False, label="From", widget=forms.DateInput(attrs={"type": "date"}))
     date_to = forms.DateField(required=False, label="To (inclusive)", widget=forms.DateInput(attrs={"type": "date"}))
     before = forms.CharField(required=False, widget=forms.HiddenInput)
@@ -607,6 +664,10 @@ class WebhookForm(forms.Form):
         url = self.cleaned_data["url"]
         if not url.startswith(("http://", "https://")):
             raise ValidationError("A webhook URL starts with http:// or https://.")
+        try:
+            outbound.check_url(url, outbound.WEBHOOK)
+        except outbound.OutboundRefused as exc:
+            raise ValidationError(f"This URL is not allowed: {exc}.") from None
         return url
 
     def clean(self) -> dict:

@@ -59,6 +59,16 @@ class Period(models.TextChoices):
     MONTH = "month"
 
 
+# The only environment variables a provider may name for its key: a staff form must not be able to
+# make a worker send the server's own secrets (SECRET_KEY, DATABASE_URL) to a URL staff chose.
+API_KEY_ENV_PREFIX = "CEILING_PROVIDER_KEY_"
+
+
+def allowed_key_env(name: str) -> bool:
+    """Whether a provider may name this environment variable for its key (the form and the worker ask)."""
+    return name.startswith(API_KEY_ENV_PREFIX) and len(name) > len(API_KEY_ENV_PREFIX)
+
+
 def default_thresholds() -> list[int]:
     return [50, 80, 100]
 
@@ -83,8 +93,12 @@ class Provider(models.Model):
     base_url = models.URLField(blank=True, help_text="e.g. http://vllm.internal:8000/v1")
     remote_model = models.CharField(max_length=200, blank=True, help_text="the model name the server expects")
     api_key_env = models.CharField(
-        max_length=100, blank=True, help_text="name of the environment variable holding the server's API key"
+        max_length=100, blank=True,
+        help_text=f"name of the environment variable holding the server's API key (starting {API_KEY_ENV_PREFIX})",
     )
+    # The key staff typed on the provider's page, Fernet-encrypted (budgets/vault.py); never shown again.
+    # Not editable: no form or admin page renders it; ProviderForm's api_key field writes it.
+    api_key_encrypted = models.TextField(blank=True, editable=False)
     # For kind local: what the machine costs, so that its tokens are priced like a hosted model's
     # (budgets/selfhosted.py). Empty: staff price the local model by hand, or it costs $0.
     hourly_cost_micro_usd = models.PositiveBigIntegerField(
@@ -105,6 +119,10 @@ class Provider(models.Model):
 
     def recipients(self) -> list[str]:
         return [address.strip() for address in self.alert_recipients.split(",") if address.strip()]
+
+    @property
+    def has_api_key(self) -> bool:
+        return bool(self.api_key_encrypted)
 
     @classmethod
     def default(cls) -> Provider:

@@ -12,7 +12,7 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from .actions import Usage, do_record_usage, do_requeue_unsent_alerts
-from .alerts import check_spend_forecasts
+from .alerts import check_spend_forecasts, check_thresholds_after_settle
 from .guard import counter_store, flush_settled_marks, release, settle
 from .models import TokenLog
 
@@ -47,7 +47,8 @@ def fail_lost_request(row: TokenLog, error: str) -> bool:
     if not do_record_usage(row.request_id, status=TokenLog.Status.FAILED, usage=Usage(row.prompt_tokens, 0), error=error):
         return False
     row.refresh_from_db()
-    settle(row)
+    if settle(row):
+        check_thresholds_after_settle(row)  # its prompt's cost counts toward the month too; logs, never raises
     flush_settled_marks()  # a sweep is rare: its mark is written before it reports the row done
     return True
 
@@ -90,7 +91,9 @@ def retry_unsettled(now=None) -> int:
     )
     done = 0
     for row in finished.iterator():
-        settle(row)
+        # A settle that Redis missed skipped its threshold check too (it follows a settle that worked).
+        if settle(row):
+            check_thresholds_after_settle(row)
         done += row.counters_settled
     for row in timed_out.iterator():
         release(row)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from celery import shared_task
 
 from .alerts import AlertNotSent, deliver_alert
-from .webhooks import MAX_ATTEMPTS, TIMEOUT_S, WebhookNotSent, deliver_webhook, retry_countdown
+from .webhooks import MAX_ATTEMPTS, TIMEOUT_S, WebhookNotSent, deliver_webhook
 
 ALERT_EMAIL_RETRIES = 5
 ALERT_EMAIL_FIRST_RETRY_S = 60
@@ -53,4 +53,5 @@ def send_alert_webhook(self, delivery_id: int) -> bool:
     except WebhookNotSent as exc:
         if exc.gave_up:
             return False  # out of attempts: failed on the alerts page, not retried again
-        raise self.retry(exc=exc, countdown=retry_countdown(self.request.retries)) from exc
+        # From the row's attempts, not this task's retries: a task the sweeper queued starts at 0.
+        raise self.retry(exc=exc, countdown=exc.retry_in_s) from exc

@@ -8,42 +8,66 @@ Slack-compatible receivers, `{"text": ...}` alone. Every POST carries
     X-Ceiling-Signature: sha256=<hex HMAC-SHA256 of the exact body bytes, keyed by the webhook's secret>
     X-Ceiling-Delivery: <delivery id>   (the same on every attempt: a receiver dedupes by it)
 
+and the Standard Webhooks headers (standardwebhooks.com), whose signature also covers the id and
+the moment, so a captured delivery cannot be replayed later as a new one:
+
+    webhook-id: <delivery id>   webhook-timestamp: <Unix seconds of this attempt>
+    webhook-signature: v1,<base64 HMAC-SHA256 of "{id}.{timestamp}.{body}", keyed by the secret's bytes>
+
+(A Standard Webhooks library takes the secret as "whsec_" + base64 of the secret's UTF-8 bytes.)
+X-Ceiling-Signature stays for one release, for receivers that check it; new receivers should check
+webhook-signature and refuse a timestamp more than 5 minutes away from their clock.
+
 A receiver checks the signature before it believes anything in the body. Our side sends each
 delivery until one attempt gets a 2xx; a receiver that took the POST but whose answer was lost
-sees it again, with the same X-Ceiling-Delivery.
+sees it again, with the same X-Ceiling-Delivery and webhook-id.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
 import logging
 import secrets
+import time
 
-import httpx2 as httpx
 from django.utils import timezone
 
-from .actions import do_claim_delivery, do_finish_delivery
+from .actions import (
+    WEBHOOK_FIRST_RETRY_S,
+    WEBHOOK_MAX_ATTEMPTS,
+    do_claim_delivery,
+    do_finish_delivery,
+    webhook_retry_countdown,
+)
 from .alerts import alert_email
 from .models import Alert, AlertWebhook, WebhookDelivery
+from .outbound import WEBHOOK, OutboundRefused, error_excerpt, policy_client
 
 log = logging.getLogger(__name__)
 
 SIGNATURE_HEADER = "X-Ceiling-Signature"
 DELIVERY_HEADER = "X-Ceiling-Delivery"
-MAX_ATTEMPTS = 6  # the first POST and five retries: 1, 2, 4, 8, 16 minutes apart
-FIRST_RETRY_S = 60
+MAX_ATTEMPTS = WEBHOOK_MAX_ATTEMPTS  # the first POST and five retries: 1, 2, 4, 8, 16 minutes apart
+FIRST_RETRY_S = WEBHOOK_FIRST_RETRY_S
+retry_countdown = webhook_retry_countdown
 TIMEOUT_S = 10.0  # a receiver slower than this counts as failed and is tried again later
 SECRET_BYTES = 32
 
 
 class WebhookNotSent(RuntimeError):
-    """One attempt failed; the claim is released so a retry can take it (unless `gave_up`)."""
+    """One attempt failed; the claim is released so a retry can take it (unless `gave_up`).
 
-    def __init__(self, message: str, *, gave_up: bool) -> None:
+    retry_in_s: when the next attempt is due, from the attempts the row counts (a chain of retries
+    that a sweep started at attempt 3 waits 4 minutes, not the first retry's one).
+    """
+
+    def __init__(self, message: str, *, gave_up: bool, retry_in_s: int = FIRST_RETRY_S) -> None:
         super().__init__(message)
         self.gave_up = gave_up
+        self.retry_in_s = retry_in_s
 
 
 def new_secret() -> str:
@@ -51,13 +75,25 @@ def new_secret() -> str:
 
 
 def sign(secret: str, body: bytes) -> str:
-    """The signature header's value for this body."""
+    """The X-Ceiling-Signature value for this body (the body alone: kept for one release)."""
     return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
 
 
-def retry_countdown(retries_so_far: int) -> int:
-    """Seconds before the next attempt: doubling from a minute, so an hour-long outage is bridged."""
-    return FIRST_RETRY_S * 2**retries_so_far
+def standard_signature(secret: str, message_id: str, timestamp: int, body: bytes) -> str:
+    """The Standard Webhooks `webhook-signature` value: v1, then the base64 HMAC of id.timestamp.body."""
+    signed = f"{message_id}.{timestamp}.".encode() + body
+    return "v1," + base64.b64encode(hmac.new(secret.encode(), signed, hashlib.sha256).digest()).decode()
+
+
+def signed_headers(secret: str, message_id: str, body: bytes, now: float | None = None) -> dict[str, str]:
+    timestamp = int(time.time() if now is None else now)
+    return {
+        SIGNATURE_HEADER: sign(secret, body),
+        DELIVERY_HEADER: message_id,
+        "webhook-id": message_id,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": standard_signature(secret, message_id, timestamp, body),
+    }
 
 
 def webhook_body(alert: Alert, body_format: str) -> bytes:
@@ -106,7 +142,8 @@ def deliver_webhook(delivery_id: int) -> bool:
     gave_up = delivery.attempts >= MAX_ATTEMPTS
     do_finish_delivery(delivery.id, status_code=status_code, error=error, give_up=gave_up)
     log.warning("webhook delivery %s, attempt %s: %s%s", delivery.id, delivery.attempts, error, " (giving up)" if gave_up else "")
-    raise WebhookNotSent(f"delivery {delivery.id}: {error}", gave_up=gave_up)
+    raise WebhookNotSent(f"delivery {delivery.id}: {error}", gave_up=gave_up,
+                         retry_in_s=retry_countdown(max(0, delivery.attempts - 1)))
 
 
 def post(hook: AlertWebhook, delivery: WebhookDelivery) -> tuple[int | None, str]:
@@ -115,13 +152,18 @@ def post(hook: AlertWebhook, delivery: WebhookDelivery) -> tuple[int | None, str
     headers = {
         "Content-Type": "application/json",
         "User-Agent": "Ceiling-Alerts/1",
-        SIGNATURE_HEADER: sign(hook.secret, body),
-        DELIVERY_HEADER: str(delivery.id),
+        **signed_headers(hook.secret, str(delivery.id), body),
     }
     try:
-        response = httpx.post(hook.url, content=body, headers=headers, timeout=TIMEOUT_S, follow_redirects=False)
+        # The outbound policy again at connect time (DNS may have changed since the save); no redirects.
+        with policy_client(WEBHOOK, timeout=TIMEOUT_S) as client:
+            response = client.post(hook.url, content=body, headers=headers)
+    except OutboundRefused as exc:
+        return None, f"refused by the outbound policy: {exc}"
     except Exception as exc:  # noqa: BLE001 - whatever broke, the claim must be released and the error shown
-        return None, f"{type(exc).__name__}: {exc}"
+        return None, error_excerpt(f"{type(exc).__name__}: {exc}", 500)
     if 200 <= response.status_code < 300:
         return response.status_code, ""
-    return response.status_code, f"HTTP {response.status_code}: {response.text[:200]}"
+    if 300 <= response.status_code < 400:
+        return response.status_code, f"HTTP {response.status_code}: redirects are not followed ({error_excerpt(response.headers.get('location', ''))})"
+    return response.status_code, f"HTTP {response.status_code}: {error_excerpt(response.text)}"

@@ -30,7 +30,7 @@ from budgets.models import Feature
 
 from .models import ModelAlias
 from .web.chat_request import INTERNAL_ERROR, run_chat
-from .web.frames import DEFAULT_FEATURE, ChatFrame, FrameError, parse_chat
+from .web.frames import DEFAULT_FEATURE, ChatFrame, FrameError, loads_limited, parse_chat
 from .web.params import ParamError, parse_params
 from .web.ratelimits import rate_limit_headers
 
@@ -184,10 +184,7 @@ def _too_large(size: str, limit: int) -> FrameError:
 
 
 def parse_chat_request(body: bytes) -> ChatRequest:
-    try:
-        data = json.loads(body)
-    except ValueError:
-        raise FrameError("bad_json", "The request body is not valid JSON.") from None
+    data = loads_limited(body, "request body")
     if not isinstance(data, dict):
         raise FrameError("bad_json", "The request body must be a JSON object.")
     model = _first_given(data.get("model"), settings.CEILING_MODEL_NAME)

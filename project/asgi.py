@@ -13,11 +13,16 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 
 from inference.routing import websocket_urlpatterns  # noqa: E402
 from inference.web.tokenizer import load_tokenizer_in_background  # noqa: E402
+from project.bodylimit import BodyLimitMiddleware, limit_daphne_bodies  # noqa: E402
 from project.origins import SameOriginValidator  # noqa: E402
+
+# daphne stores a whole request body before the application runs: refuse an over-limit one as it arrives.
+limit_daphne_bodies()
 
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        # The body-size limit first, before Django reads any body (project/bodylimit.py).
+        "http": BodyLimitMiddleware(django_asgi_app),
         # The Origin's host must be allowed (Channels) and be exactly the address connected to, port
         # included (project/origins.py): cookies reach every port of a host, origins do not.
         "websocket": AllowedHostsOriginValidator(

@@ -29,7 +29,7 @@ class SameOriginValidator:
 
     async def __call__(self, scope, receive, send):
         headers = dict(scope.get("headers", []))
-        if origin_allowed(_header(headers, b"origin"), _header(headers, b"host")):
+        if origin_allowed(_header(headers, b"origin"), _header(headers, b"host"), server_scheme(scope, headers)):
             return await self.application(scope, receive, send)
         return await WebsocketDenier()(scope, receive, send)
 
@@ -38,20 +38,39 @@ def _header(headers: dict[bytes, bytes], name: bytes) -> str:
     return headers.get(name, b"").decode("latin1")
 
 
-def origin_allowed(origin: str, host: str) -> bool:
-    """True if `origin` is the site at `host` itself, or one of CSRF_TRUSTED_ORIGINS."""
+def server_scheme(scope: dict, headers: dict[bytes, bytes]) -> str:
+    """The scheme of the page that may open our sockets: https when the socket came over TLS, when
+    the site is served over HTTPS (CEILING_HTTPS: a TLS proxy in front), or when a trusted proxy
+    says so (SECURE_PROXY_SSL_HEADER); else http."""
+    if scope.get("scheme") in ("wss", "https") or getattr(settings, "CEILING_HTTPS", False):
+        return "https"
+    proxy_header = getattr(settings, "SECURE_PROXY_SSL_HEADER", None)
+    if proxy_header:
+        name, value = proxy_header
+        sent = _header(headers, name.removeprefix("HTTP_").lower().replace("_", "-").encode())
+        if sent.split(",")[0].strip() == value:
+            return "https"
+    return "http"
+
+
+def origin_allowed(origin: str, host: str, scheme: str = "http") -> bool:
+    """True if `origin` is the site at `host` itself, served over `scheme`, or one of CSRF_TRUSTED_ORIGINS.
+
+    The scheme is compared too: the plain-HTTP page of an HTTPS site's host (port 80, open to anyone
+    on the network path) must not open a socket with the user's cookies.
+    """
     try:
         page = urlsplit(origin)
         if page.scheme not in DEFAULT_PORTS or not page.hostname:
             return False  # "null", file://, chrome-extension://…, or no Origin at all
         page_port = page.port or DEFAULT_PORTS[page.scheme]
         server = urlsplit(f"//{host}")
-        # A browser leaves the default port of the page's scheme out of Host (and a TLS proxy in
-        # front forwards the public Host), so a Host without a port means that default.
-        server_port = server.port or DEFAULT_PORTS[page.scheme]
+        # A browser leaves the default port of the scheme out of Host (and a TLS proxy in front
+        # forwards the public Host), so a Host without a port means the server's scheme's default.
+        server_port = server.port or DEFAULT_PORTS.get(scheme, 80)
     except ValueError:  # a port that is not a number, a malformed IPv6 literal
         return False
-    if (page.hostname, page_port) == (server.hostname, server_port):
+    if (page.scheme, page.hostname, page_port) == (scheme, server.hostname, server_port):
         return True
     return any(_trusted(page.scheme, page.netloc, trusted) for trusted in settings.CSRF_TRUSTED_ORIGINS)
 

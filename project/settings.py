@@ -80,6 +80,27 @@ def database_pool_options() -> dict:
     }
 
 
+SQLITE_BUSY_TIMEOUT_S = 20
+
+
+def sqlite_options() -> dict:
+    """`make run` shares one SQLite file between daphne and a 32-thread worker: without these the
+    worker logged `database is locked` under 60 chats at once.
+
+    - WAL: readers no longer block the writer nor it them (the journal mode is kept in the file);
+      synchronous=NORMAL is WAL's usual pairing (durable across a crash of the process).
+    - a busy timeout: a writer waits up to 20 s for the lock instead of failing at once.
+    - BEGIN IMMEDIATE for every transaction (Django 5.1+): a transaction that reads and then writes
+      takes the write lock at its start; begun DEFERRED, its upgrade fails at once with
+      "database is locked" whatever the timeout, when another writer went first.
+    """
+    return {
+        "timeout": SQLITE_BUSY_TIMEOUT_S,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": f"PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000};",
+    }
+
+
 def database_from_url(url: str) -> dict:
     """DATABASE_URL → Django DATABASES entry. sqlite:///relative/or//absolute, postgres://..."""
     parsed = urlparse(url)
@@ -90,7 +111,7 @@ def database_from_url(url: str) -> dict:
         return {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": path if os.path.isabs(path) else str(BASE_DIR / path),
-            "OPTIONS": {"timeout": 20},
+            "OPTIONS": sqlite_options(),
         }
     if parsed.scheme in ("postgres", "postgresql", "pgsql"):
         name = unquote(parsed.path.lstrip("/"))
@@ -379,6 +400,11 @@ CEILING_ENGINE_AUTOSTART = envbool("CEILING_ENGINE_AUTOSTART", True)
 
 # --- Requests --------------------------------------------------------------------------------
 CEILING_MAX_FRAME_BYTES = envint("CEILING_MAX_FRAME_BYTES", 64 * 1024, minimum=1024)
+# Any HTTP request body over this is refused at the ASGI edge (project/bodylimit.py) before Django
+# reads it: 413, by the declared Content-Length at once, or counted as a chunked body arrives. /v1
+# bodies are held to CEILING_MAX_FRAME_BYTES there. Above DATA_UPLOAD_MAX_MEMORY_SIZE (2.5 MB), so
+# Django's own 400 for big forms still speaks below it.
+CEILING_MAX_BODY_BYTES = envint("CEILING_MAX_BODY_BYTES", 3 * 1024 * 1024, minimum=1024)
 CEILING_DEFAULT_MAX_TOKENS = envint("CEILING_DEFAULT_MAX_TOKENS", 256, minimum=1)
 CEILING_MAX_TOKENS_LIMIT = envint("CEILING_MAX_TOKENS_LIMIT", 1024, minimum=1)
 CEILING_MAX_INPUT_TOKENS = envint("CEILING_MAX_INPUT_TOKENS", 2048, minimum=1)
@@ -421,6 +447,13 @@ if CEILING_COUNTERS_WAIT_REPLICAS and CEILING_COUNTERS_WAIT_MS >= CEILING_GUARD_
 # A request still "running" this long after admission was lost (worker crash): reconciliation
 # marks it failed and releases its reservation.
 CEILING_RESERVATION_TTL_S = envint("CEILING_RESERVATION_TTL_S", 600, minimum=60)
+if CEILING_RESERVATION_TTL_S <= CEILING_TOTAL_TIMEOUT_S:
+    # Reconciliation fails a request still running past the TTL: one shorter than the longest a
+    # request may run would fail (and release) requests that are still generating.
+    raise ImproperlyConfigured(
+        f"CEILING_RESERVATION_TTL_S={CEILING_RESERVATION_TTL_S} must be above CEILING_TOTAL_TIMEOUT_S "
+        f"({CEILING_TOTAL_TIMEOUT_S:g} s), the longest a request may run; else reconciliation fails requests still running"
+    )
 # On PostgreSQL, admissions outside a transaction write their ledger rows through one writer thread
 # per process that commits many at once (budgets/ledger_writer.py); each still waits for its commit.
 # Off by default: on a 2-core machine with a local PostgreSQL, where CPU and not commits limits
@@ -436,6 +469,34 @@ CEILING_LOST_SWEEP_EVERY_S = envfloat("CEILING_LOST_SWEEP_EVERY_S", 5.0, minimum
 CEILING_THROUGHPUT_EVERY_S = envfloat("CEILING_THROUGHPUT_EVERY_S", 30.0, minimum=0.0)
 CEILING_LOOP_MAX_CALLS = envint("CEILING_LOOP_MAX_CALLS", 10, minimum=1)
 CEILING_LOOP_MAX_COST_MICRO_USD = envint("CEILING_LOOP_MAX_COST_MICRO_USD", 1_000_000, minimum=0)
+
+# --- Secrets Ceiling keeps (budgets/vault.py) ---------------------------------------------------
+# Fernet keys, comma-separated: the first encrypts the provider API keys staff enter, every one
+# decrypts (put a new key first to rotate, run `manage.py rotate_secrets`, then drop the old one).
+# Empty: staff cannot store a key (the page says so); CEILING_PROVIDER_KEY_* variables still work.
+CEILING_SECRETS_KEY = envstr("CEILING_SECRETS_KEY", "")
+
+
+def _check_fernet_keys(raw: str) -> None:
+    from cryptography.fernet import Fernet
+
+    for key in (part.strip() for part in raw.split(",") if part.strip()):
+        try:
+            Fernet(key.encode())
+        except ValueError:
+            raise ImproperlyConfigured(
+                "CEILING_SECRETS_KEY holds something that is not a Fernet key (32 url-safe base64-encoded bytes); "
+                'make one with python -c "from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())"'
+            ) from None
+
+
+_check_fernet_keys(CEILING_SECRETS_KEY)
+
+# --- Outbound calls (budgets/outbound.py) -------------------------------------------------------
+# Webhook URLs may not reach loopback or private addresses (Redis, PostgreSQL, the admin of a router)
+# unless this is true; providers may (a vLLM beside the workers is normal). Link-local and cloud
+# metadata addresses are refused for both, whatever this says.
+CEILING_WEBHOOK_ALLOW_PRIVATE = envbool("CEILING_WEBHOOK_ALLOW_PRIVATE", False)
 
 # --- Metrics ----------------------------------------------------------------------------------
 # GET /metrics wants `Authorization: Bearer <this>`; empty (the default) switches the endpoint off (404).

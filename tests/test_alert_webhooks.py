@@ -12,13 +12,15 @@ import hmac
 import json
 import threading
 from dataclasses import dataclass, field
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from django.test import Client
+from django.utils import timezone
 from kombu.exceptions import OperationalError
 
-from budgets.actions import do_requeue_unsent_alerts
+from budgets.actions import do_requeue_unsent_alerts, webhook_retry_overdue
 from budgets.alerts import check_provider_thresholds
 from budgets.models import AlertWebhook, AuditEntry, WebhookDelivery
 from budgets.webhooks import DELIVERY_HEADER, MAX_ATTEMPTS, SIGNATURE_HEADER, new_secret, retry_countdown
@@ -30,6 +32,12 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 # The email tests' cast: a real SMTP server, eager tasks (autouse), the provider "local" at $100 a month.
 smtp, eager_tasks, provider = test_alerts.smtp, test_alerts.eager_tasks, test_alerts.provider
+
+
+@pytest.fixture(autouse=True)
+def loopback_receivers(settings):
+    """The receivers listen on 127.0.0.1, which webhooks may call only when private addresses are allowed."""
+    settings.CEILING_WEBHOOK_ALLOW_PRIVATE = True
 
 
 @dataclass
@@ -244,3 +252,87 @@ def test_end_users_cannot_see_or_change_webhooks(alice, provider):
     assert client.get("/staff/alerts/").status_code == 403
     assert client.post(f"/staff/alerts/webhooks/{hook.pk}/", {"action": "delete"}).status_code == 403
     assert AlertWebhook.objects.filter(pk=hook.pk).exists()
+
+
+def failed_once(receiver: Receiver, provider) -> WebhookDelivery:
+    """A delivery whose first POST just failed, as the task's first attempt leaves it (claim released)."""
+    from budgets.models import Alert
+    from budgets.webhooks import WebhookNotSent, deliver_webhook
+
+    hook = webhook(provider, receiver.url)
+    alert = Alert.objects.create(scope="provider:local", threshold=80, period_key="2026-12", spent_micro_usd=80,
+                                 limit_micro_usd=100, sent_at=timezone.now())  # its email is not the point here
+    delivery = WebhookDelivery.objects.create(alert=alert, webhook=hook)
+    with pytest.raises(WebhookNotSent) as failed:
+        deliver_webhook(delivery.id)
+    assert failed.value.retry_in_s == 60
+    delivery.refresh_from_db()
+    return delivery
+
+
+def test_the_sweeper_leaves_a_failed_delivery_to_its_backoff(receivers, provider):
+    receiver = receivers()
+    receiver.failures = [500]  # the second POST would succeed
+    delivery = failed_once(receiver, provider)
+    # Every worker sweeps each minute; before, each sweep queued the failed delivery again at once
+    # and all six attempts went out within minutes.
+    for _ in range(3):
+        do_requeue_unsent_alerts()
+    assert len(receiver.posts) == 1
+    # Its retry (1 minute) is due, but the retry the failed attempt scheduled goes first: the sweeper
+    # stands in only for one that was lost, a grace minute later.
+    WebhookDelivery.objects.filter(pk=delivery.pk).update(last_attempt_at=timezone.now() - timedelta(seconds=90))
+    assert do_requeue_unsent_alerts() == 0 and len(receiver.posts) == 1
+    WebhookDelivery.objects.filter(pk=delivery.pk).update(last_attempt_at=timezone.now() - timedelta(seconds=121))
+    assert do_requeue_unsent_alerts() == 1
+    assert len(receiver.delivered()) == 1 and WebhookDelivery.objects.get(pk=delivery.pk).status == "sent"
+
+
+def test_a_retry_waits_as_long_as_the_rows_attempts_say_whoever_queued_it(receivers, provider):
+    from budgets.webhooks import WebhookNotSent, deliver_webhook
+
+    receiver = receivers()
+    receiver.failures = [500] * 10
+    delivery = failed_once(receiver, provider)
+    # Three attempts made: the sweeper waits 4 minutes (plus its grace), and the task it queues,
+    # failing, schedules its own retry 8 minutes on (its Celery retries count from 0).
+    WebhookDelivery.objects.filter(pk=delivery.pk).update(attempts=3, last_attempt_at=timezone.now() - timedelta(seconds=250))
+    assert not WebhookDelivery.objects.filter(pk=delivery.pk).filter(webhook_retry_overdue(timezone.now())).exists()
+    with pytest.raises(WebhookNotSent) as failed:
+        deliver_webhook(delivery.id)
+    assert failed.value.retry_in_s == 480
+
+
+def standard_webhooks_verify(whsec: str, headers: dict[str, str], body: bytes, tolerance_s: int = 300) -> bool:
+    """What a Standard Webhooks library does (standardwebhooks.com): the key is the base64 after
+    "whsec_"; the timestamp must be near; any "v1," signature listed may match."""
+    import base64
+    import time
+
+    key = base64.b64decode(whsec.removeprefix("whsec_"))
+    msg_id, stamp = headers["webhook-id"], headers["webhook-timestamp"]
+    if abs(time.time() - int(stamp)) > tolerance_s:
+        return False
+    expected = base64.b64encode(hmac.new(key, f"{msg_id}.{stamp}.".encode() + body, hashlib.sha256).digest()).decode()
+    return any(hmac.compare_digest(sig.removeprefix("v1,"), expected) for sig in headers["webhook-signature"].split())
+
+
+def test_a_delivery_carries_standard_webhooks_headers_that_bind_its_id_and_time(smtp, receivers, provider, alice, chat_feature):
+    import base64
+
+    receiver = receivers()
+    hook = webhook(provider, receiver.url)
+    spend(provider, alice, chat_feature, 50_000_000)
+    check_provider_thresholds(provider.id)
+
+    [post] = receiver.delivered()
+    headers = {name.lower(): value for name, value in post.headers.items()}
+    whsec = "whsec_" + base64.b64encode(hook.secret.encode()).decode()  # as docs/alerts.md tells receivers
+    assert headers["webhook-id"] == headers[DELIVERY_HEADER.lower()]
+    assert standard_webhooks_verify(whsec, headers, post.body)
+    assert signed_by(hook, post)  # the old header, kept for one release
+    # Replayed later with a fresh timestamp, or with another delivery's id, the signature fails:
+    # before, the signature covered the body alone and a captured POST verified forever.
+    later = {**headers, "webhook-timestamp": str(int(headers["webhook-timestamp"]) + 3600)}
+    assert not standard_webhooks_verify(whsec, later, post.body, tolerance_s=10**9)
+    assert not standard_webhooks_verify(whsec, {**headers, "webhook-id": "999999"}, post.body)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 from email import message_from_bytes, policy
 from email.message import EmailMessage
 from zoneinfo import ZoneInfo
@@ -387,3 +387,53 @@ def test_the_outbox_sweeper_queues_alerts_that_were_never_sent_once(transactiona
     assert do_requeue_unsent_alerts() == 2
     lost.refresh_from_db(), stale.refresh_from_db(), done.refresh_from_db()
     assert stale.claimed_at is None and done.sent_at is not None
+
+
+def test_a_crossing_at_235959_on_the_months_last_day_is_alerted_in_that_month(smtp, redis_db, provider, alice, chat_feature):
+    """The request is admitted in the month's last second and settles in the next month: its
+    crossing is the old month's. Before, the check after the settle looked at the month of "now"
+    (the new month, nothing spent yet) and the crossing was never alerted."""
+    from budgets.alerts import check_thresholds_after_settle
+
+    this_month = timezone.localtime()
+    last_day = this_month.replace(day=1, hour=0, minute=0, second=0, microsecond=0) - timedelta(seconds=1)
+    assert (last_day.hour, last_day.minute, last_day.second) == (23, 59, 59)
+    spend(provider, alice, chat_feature, 79_000_000, at=last_day.replace(day=10, hour=12))
+    row = spend(provider, alice, chat_feature, 2_000_000, at=last_day)  # 81%: crosses 80 (and 50, unchecked so far)
+
+    new_ids = check_thresholds_after_settle(row)  # settled now, in the next month
+
+    month = last_day.strftime("%Y-%m")
+    assert [(a.threshold, a.period_key, a.spent_micro_usd) for a in alerts()] == [(50, month, 81_000_000), (80, month, 81_000_000)]
+    assert sorted(new_ids) == [a.id for a in alerts()]
+    assert smtp.subjects() == [subject(50), subject(80)]
+
+
+def test_a_settle_replayed_by_reconciliation_checks_the_thresholds(smtp, redis_db, provider, alice, chat_feature):
+    """Redis missed the settle, so its threshold check never ran; reconciliation settles it again
+    and, before, checked nothing: the 80% crossing waited for the next request, maybe forever."""
+    from budgets.reconcile import retry_unsettled
+
+    Provider.objects.filter(pk=provider.pk).update(monthly_limit_micro_usd=1_000_000)
+    ModelPrice.objects.create(
+        provider=provider, model="m", output_per_million_micro_usd=80_000 * 1_000_000, effective_from=local(2020, 1, 1)
+    )
+    chat_feature.provider = provider
+    chat_feature.save(update_fields=["provider"])
+    request_id = uuid.uuid4().hex
+    decision = do_admit_request(
+        request_id=request_id, user=alice, feature=chat_feature, model="m",
+        messages=[{"role": "user", "content": "hi"}], prompt_ids=[1, 2, 3], max_tokens=10,
+    )
+    assert decision.admitted, decision.message
+    do_finish_request(request_id, status=TokenLog.Status.OK, prompt_tokens=3, completion_ids=list(range(10)),
+                      text="0123456789", finish_reason="length", ttft_ms=5)
+    # The worker's settle never reached Redis: the row is finished, unsettled, and nothing was checked.
+    TokenLog.objects.filter(request_id=request_id).update(finished_at=timezone.now() - timedelta(minutes=2))
+    assert alerts() == []
+
+    assert retry_unsettled() == 1
+
+    assert [(a.threshold, a.spent_micro_usd) for a in alerts()] == [(50, 800_000), (80, 800_000)]
+    assert smtp.subjects() == [subject(50), subject(80)]
+    assert retry_unsettled() == 0 and len(alerts()) == 2  # settled: a second sweep replays nothing

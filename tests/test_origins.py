@@ -7,19 +7,47 @@ from project.origins import origin_allowed
 
 
 @pytest.mark.parametrize(
-    ("origin", "host"),
+    ("origin", "host", "scheme"),
     [
-        ("http://127.0.0.1:8000", "127.0.0.1:8000"),
-        ("http://localhost:8000", "localhost:8000"),
-        ("https://ceiling.example", "ceiling.example"),  # a TLS proxy in front: default ports on both sides
-        ("https://ceiling.example", "ceiling.example:443"),
-        ("http://ceiling.example", "ceiling.example:80"),
-        ("http://[::1]:8000", "[::1]:8000"),
-        ("http://CEILING.example:8000", "ceiling.example:8000"),  # host names compare case-insensitively
+        ("http://127.0.0.1:8000", "127.0.0.1:8000", "http"),
+        ("http://localhost:8000", "localhost:8000", "http"),
+        ("https://ceiling.example", "ceiling.example", "https"),  # a TLS proxy in front: default ports on both sides
+        ("https://ceiling.example", "ceiling.example:443", "https"),
+        ("http://ceiling.example", "ceiling.example:80", "http"),
+        ("http://[::1]:8000", "[::1]:8000", "http"),
+        ("http://CEILING.example:8000", "ceiling.example:8000", "http"),  # host names compare case-insensitively
     ],
 )
-def test_the_page_s_own_origin_is_allowed(origin, host):
-    assert origin_allowed(origin, host)
+def test_the_page_s_own_origin_is_allowed(origin, host, scheme):
+    assert origin_allowed(origin, host, scheme)
+
+
+@pytest.mark.parametrize(
+    ("origin", "host", "scheme"),
+    [
+        # Before, the scheme was not compared: an HTTPS site's plain-HTTP page (port 80, which anyone on
+        # the path can write) opened sockets with the user's cookies.
+        ("http://ceiling.example", "ceiling.example", "https"),
+        ("http://ceiling.example:443", "ceiling.example:443", "https"),
+        ("https://127.0.0.1:8000", "127.0.0.1:8000", "http"),
+    ],
+)
+def test_an_origin_of_another_scheme_is_refused(origin, host, scheme):
+    assert not origin_allowed(origin, host, scheme)
+
+
+def test_the_server_scheme_comes_from_the_socket_the_https_setting_or_a_trusted_proxy(settings):
+    from project.origins import server_scheme
+
+    settings.CEILING_HTTPS = False
+    assert server_scheme({"scheme": "ws"}, {}) == "http"
+    assert server_scheme({"scheme": "wss"}, {}) == "https"
+    assert server_scheme({"scheme": "ws"}, {b"x-forwarded-proto": b"https"}) == "http"  # not trusted
+    settings.SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    assert server_scheme({"scheme": "ws"}, {b"x-forwarded-proto": b"https"}) == "https"
+    settings.SECURE_PROXY_SSL_HEADER = None
+    settings.CEILING_HTTPS = True
+    assert server_scheme({"scheme": "ws"}, {}) == "https"
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ from tests.wsclient import chat, chat_frame, chat_socket, next_frame, send
 pytestmark = pytest.mark.django_db(transaction=True)
 
 MODEL = "SmolLM2-135M-Instruct"
-KEY_ENV = "CEILING_TEST_REMOTE_KEY"
+KEY_ENV = "CEILING_PROVIDER_KEY_TEST_REMOTE"
 REMOTE_KEY = "ck_remote-engine-tests-fixed-key-not-a-secret"
 os.environ.setdefault(KEY_ENV, REMOTE_KEY)
 
@@ -193,13 +193,13 @@ def test_an_unreachable_remote_fails_within_the_connect_timeout(live_stack, alic
 
 
 def test_a_provider_whose_key_is_missing_on_the_worker_says_so(live_stack, alice, alice_capped):
-    remote_feature(f"{live_stack.http_url}/v1", api_key_env="CEILING_TEST_UNSET_REMOTE_KEY")
+    remote_feature(f"{live_stack.http_url}/v1", api_key_env="CEILING_PROVIDER_KEY_TEST_UNSET")
 
     frames = asyncio.run(chat(live_stack, session_cookie(alice), chat_frame("Hello?", 16, feature="remote-chat")))
 
     accepted, error = frames
     assert error["type"] == "error" and error["code"] == "engine_failed"
-    assert "CEILING_TEST_UNSET_REMOTE_KEY is not set on this worker" in error["message"]
+    assert "CEILING_PROVIDER_KEY_TEST_UNSET is not set on this worker" in error["message"]
     row = TokenLog.objects.get(request_id=accepted["request_id"])
     assert row.status == TokenLog.Status.FAILED
     assert_released(row)

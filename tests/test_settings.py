@@ -83,3 +83,57 @@ def test_timeouts_must_nest():
         cwd=Path(__file__).resolve().parent.parent,
     )
     assert result.returncode != 0 and "Timeouts must nest" in result.stderr
+
+
+def _import_settings(**env: str):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    return subprocess.run(
+        [sys.executable, "-c", "import project.settings"],
+        env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+
+
+def test_it_refuses_to_start_with_a_reservation_ttl_shorter_than_a_request_may_run():
+    """Reconciliation fails requests running past the TTL: shorter than the total timeout, it failed
+    (and released the reservation of) requests that were still generating."""
+    result = _import_settings(CEILING_RESERVATION_TTL_S="200")  # the total timeout is 300 s
+    assert result.returncode != 0
+    assert "CEILING_RESERVATION_TTL_S=200 must be above CEILING_TOTAL_TIMEOUT_S (300 s)" in result.stderr
+    assert _import_settings(CEILING_RESERVATION_TTL_S="301").returncode == 0
+
+
+def test_sqlite_gets_wal_a_busy_timeout_and_immediate_transactions(tmp_path, django_db_blocker):
+    """`make run`'s SQLite is shared by daphne and a 32-thread worker: WAL, a busy timeout, BEGIN IMMEDIATE."""
+    from django.db.utils import ConnectionHandler
+
+    config = database_from_url(f"sqlite:///{tmp_path / 'ceiling.sqlite3'}")
+    assert config["OPTIONS"]["transaction_mode"] == "IMMEDIATE"
+    connection = ConnectionHandler({"default": config})["default"]
+    impatient = {**config["OPTIONS"], "timeout": 0.1, "init_command": "PRAGMA busy_timeout=100;"}
+    other = ConnectionHandler({"default": {**config, "OPTIONS": impatient}})["default"]
+    with django_db_blocker.unblock():  # a file of its own, not the test database
+        _check_sqlite(connection, other)
+
+
+def _check_sqlite(connection, other) -> None:
+    from django.db import OperationalError
+
+    try:
+        with connection.cursor() as cursor:
+            assert cursor.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+            assert cursor.execute("PRAGMA busy_timeout").fetchone()[0] == 20_000
+            assert cursor.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+        # What transaction.atomic() runs first: BEGIN IMMEDIATE takes the write lock at once, so a
+        # second writer waits (here 0.1 s, then fails) at its BEGIN, never halfway through its work.
+        connection._start_transaction_under_autocommit()
+        other.ensure_connection()
+        with pytest.raises(OperationalError, match="database is locked"):
+            other._start_transaction_under_autocommit()
+        connection.rollback()
+    finally:
+        connection.close()
+        other.close()

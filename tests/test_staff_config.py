@@ -388,7 +388,7 @@ def provider_data(provider: Provider, **changes) -> dict:
 def test_staff_create_a_provider(staff_client):
     data = provider_data(Provider(name="remote", kind="openai-compatible"), monthly_limit_usd="300",
                          thresholds="90, 50", recipients="ops@example.com, cfo@example.com",
-                         base_url="http://vllm.internal:8000/v1", remote_model="llama", api_key_env="VLLM_KEY")
+                         base_url="http://vllm.internal:8000/v1", remote_model="llama", api_key_env="CEILING_PROVIDER_KEY_VLLM")
     del data["form"]
     staff_client.post(reverse("staff-providers"), data)
     provider = Provider.objects.get(name="remote")

@@ -37,6 +37,7 @@ from tests.test_alerts import all_at_once, local, spend
 pytestmark = pytest.mark.django_db(transaction=True)
 
 smtp, eager_tasks, receivers = test_alerts.smtp, test_alerts.eager_tasks, hooks.receivers
+loopback_receivers = hooks.loopback_receivers  # autouse: the receivers are on 127.0.0.1
 DOLLAR = 1_000_000
 TEAM_CAP = 100 * DOLLAR
 TEAM_RECIPIENTS = ["support-lead@example.com"]

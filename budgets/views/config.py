@@ -45,7 +45,8 @@ PRICES_PER_PAGE = 50
 # Every field the form edits is saved and audited: a field missing here would be shown, accepted
 # and silently dropped on an existing feature (as mode and the cache settings once were).
 FEATURE_FIELDS = tuple(FeatureForm.Meta.fields)
-PROVIDER_FIELDS = ("name", "kind", "monthly_limit_micro_usd", "alert_thresholds", "alert_recipients",
+PROVIDER_FIELDS = ("name", "kind", "base_url", "remote_model", "api_key_env", "api_key_encrypted",
+                   "monthly_limit_micro_usd", "alert_thresholds", "alert_recipients",
                    "hourly_cost_micro_usd", "utilisation_percent")
 
 

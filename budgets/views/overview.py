@@ -3,7 +3,6 @@ the page's JS then folds in one point per settled request pushed over /ws/dashbo
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict
 
 from django.http import HttpRequest, HttpResponse
@@ -13,7 +12,7 @@ from django.utils import timezone
 from .. import charts
 from ..money import format_usd
 from ..permissions import staff_required
-from ..tags import TAG_RE, TAG_RULE
+from ..tags import TAG_RULE, is_tag, normalise_tag
 
 
 @staff_required
@@ -48,8 +47,8 @@ def charts_page(request: HttpRequest) -> HttpResponse:
     range_name = request.GET.get("range", "24h")
     if range_name not in charts.RANGES:
         range_name = "24h"
-    tag = request.GET.get("tag", "").strip()
-    tag_error = "" if not tag or re.match(TAG_RE, tag) else f"{tag[:40]!r} is not a tag: a tag is {TAG_RULE}."
+    tag = normalise_tag(request.GET.get("tag", ""))
+    tag_error = "" if not tag or is_tag(tag) else f"{tag[:40]!r} is not a tag: a tag is {TAG_RULE}."
     tag = tag if not tag_error else ""
     now = timezone.now()
     series = charts.feature_series(now, range_name, tag)

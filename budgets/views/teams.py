@@ -31,7 +31,7 @@ from ..actions import (
     do_set_team_quota,
 )
 from ..forecast import forecasts_by_scope, tag_caps, team_caps
-from ..forms import NOT_NEGATIVE, CapsForm, DollarsField, TeamAlertsForm, TeamWebhookForm, to_micro_usd
+from ..forms import NOT_NEGATIVE, CapsForm, DollarsField, TagField, TeamAlertsForm, TeamWebhookForm, to_micro_usd
 from ..guard import SETTLED
 from ..models import (
     Feature,
@@ -209,7 +209,7 @@ def team_delete(request: HttpRequest, team_id: int) -> HttpResponse:
 
 
 class TagCapForm(forms.Form):
-    tag = forms.CharField(max_length=32, validators=[tag_validator])
+    tag = TagField(max_length=32, validators=[tag_validator])
     max_cost_usd = DollarsField(label="Cost per month ($)", required=False, error_messages=NOT_NEGATIVE,
                                 help_text="Empty removes the tag's cap.")
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
-from budgets.tags import MAX_TAGS, TAG_RE, TAG_RULE
+from budgets.tags import MAX_TAGS, TAG_RULE, is_tag, normalise_tag
 
 from .params import DEFAULT, GenerationParams
 
@@ -27,6 +27,38 @@ class FrameError(ValueError):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+# JSON nested deeper than this is refused before it is parsed: Python's decoder recurses once per
+# level, and "[" * 3000 raised RecursionError (not ValueError), which reached the client as a 500
+# page or a dropped socket. Real requests (tool schemas included) nest a dozen levels at most.
+MAX_JSON_DEPTH = 100
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def json_depth(text: str) -> int:
+    """How deep `text`'s arrays and objects nest (brackets inside strings do not count)."""
+    depth = deepest = 0
+    for bracket in _JSON_BRACKET.findall(_JSON_STRING.sub("", text)):
+        if bracket in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def loads_limited(data: str | bytes, what: str) -> object:
+    """json.loads, with any failure (deep nesting, bad UTF-8, a 5,000-digit number) as FrameError bad_json."""
+    text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
+    # Counting brackets is C-speed; only a text with that many scans for its depth.
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and json_depth(text) > MAX_JSON_DEPTH:
+        raise FrameError("bad_json", f"The {what} nests JSON deeper than {MAX_JSON_DEPTH} levels.")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise FrameError("bad_json", f"The {what} is not valid JSON.") from None
 
 
 @dataclass(frozen=True)
@@ -58,10 +90,7 @@ def parse_frame(text: str | None) -> ChatFrame | CancelFrame:
             "frame_too_large",
             f"The message is {size:,} bytes; the limit is {settings.CEILING_MAX_FRAME_BYTES:,} bytes.",
         )
-    try:
-        data = json.loads(text)
-    except ValueError:
-        raise FrameError("bad_json", "The frame is not valid JSON.") from None
+    data = loads_limited(text, "frame")
     if not isinstance(data, dict):
         raise FrameError("bad_frame", "The frame must be a JSON object with a \"type\".")
     kind = data.get("type")
@@ -90,16 +119,17 @@ def parse_chat(data: dict) -> ChatFrame:
 
 
 def parse_tags(value) -> tuple[str, ...]:
-    """A list of at most MAX_TAGS tag names, each as TAG_RE says; repeats count once, order kept."""
+    """A list of at most MAX_TAGS tag names, each as TAG_RE says once trimmed and lower-cased
+    (normalise_tag); repeats, in any spelling, count once; order kept."""
     if value is None:
         return ()
     if not isinstance(value, list) or not all(isinstance(tag, str) for tag in value):
         raise FrameError("bad_tags", "\"tags\" must be a list of tag names, such as [\"support\", \"beta\"].")
-    tags = tuple(dict.fromkeys(value))
+    tags = tuple(dict.fromkeys(normalise_tag(tag) for tag in value))
     if len(tags) > MAX_TAGS:
         raise FrameError("bad_tags", f"{len(tags)} tags is too many; a request may carry at most {MAX_TAGS}.")
     for tag in tags:
-        if not re.match(TAG_RE, tag):
+        if not is_tag(tag):
             shown = tag[:40] if storable(tag) else "(not text)"
             raise FrameError(
                 "bad_tags",

@@ -46,7 +46,9 @@ import httpx2 as httpx
 import redis
 
 from budgets.estimates import text_estimate
-from budgets.models import Provider
+from budgets.models import API_KEY_ENV_PREFIX, Provider, allowed_key_env
+from budgets.outbound import PROVIDER, OutboundRefused, error_excerpt, policy_client
+from budgets.vault import SecretsUnavailable, unseal
 from inference.bus.cancel import is_cancel_requested
 from inference.bus.trace import mark
 from inference.engine import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
@@ -181,7 +183,7 @@ class RemoteStream:
             mark(self.request_id, "sent")
             with shared_client().stream("POST", self.url, json=self.body, headers=self.headers, timeout=timeout) as response:
                 mark(self.request_id, "connected")
-                if response.status_code >= 400:
+                if response.status_code >= 300:  # a redirect is not followed: it is an error like a 4xx
                     response.read()
                     self._put(_failed(http_error_message(self.label, response.status_code, response.text)))
                     return
@@ -190,6 +192,8 @@ class RemoteStream:
                 if end is not None and end.finish_reason != FINISH_ERROR and not self.cut_off:
                     self._drain(lines)
                 self._put(end)
+        except OutboundRefused as exc:  # the outbound policy, checked at connect time
+            self._put(_failed(f"{label_refused(self.label)}: {exc}"))
         except httpx.ConnectTimeout:
             self._put(_failed(f"{self.label} did not accept a connection within {CONNECT_TIMEOUT_S:.0f} s"))
         except httpx.ConnectError as exc:
@@ -299,7 +303,12 @@ def shared_client() -> httpx.Client:
     read, so the remote still hears the hang-up and stops generating.
     """
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS)
-    return httpx.Client(limits=limits, timeout=httpx.Timeout(CONNECT_TIMEOUT_S))
+    # Every connection is checked against the outbound policy (budgets/outbound.py) as it is opened.
+    return policy_client(PROVIDER, limits=limits, timeout=httpx.Timeout(CONNECT_TIMEOUT_S))
+
+
+def label_refused(label: str) -> str:
+    return f"{label} is refused by the outbound policy"
 
 
 
@@ -310,10 +319,8 @@ def open_stream(request_id: str, provider: Provider, model: str, messages: list[
     if not provider.base_url:
         raise RemoteConfigError(f"{label} has no base URL")
     headers = {"Accept": "text/event-stream"}
-    if provider.api_key_env:
-        key = os.environ.get(provider.api_key_env)
-        if not key:
-            raise RemoteConfigError(f"{label} needs an API key, but {provider.api_key_env} is not set on this worker")
+    key = provider_api_key(provider, label)
+    if key:
         headers["Authorization"] = f"Bearer {key}"
     body = {
         "model": provider.remote_model or model,
@@ -326,12 +333,38 @@ def open_stream(request_id: str, provider: Provider, model: str, messages: list[
     return RemoteStream(request_id, provider.base_url.rstrip("/") + "/chat/completions", headers, body, label)
 
 
+def provider_api_key(provider: Provider, label: str) -> str:
+    """The key staff stored (decrypted here, at use), else the allowed environment variable's; "" for none.
+
+    The variable's name is checked again here, not only by the form: a row written some other way
+    (an old row, the admin, a script) must not make this worker send SECRET_KEY or DATABASE_URL out.
+    """
+    if provider.api_key_encrypted:
+        try:
+            return unseal(provider.api_key_encrypted)
+        except SecretsUnavailable as exc:
+            raise RemoteConfigError(f"{label}'s stored API key cannot be read on this worker: {exc}") from None
+    if not provider.api_key_env:
+        return ""
+    if not allowed_key_env(provider.api_key_env):
+        raise RemoteConfigError(
+            f"{label} names {provider.api_key_env} for its API key; only variables starting {API_KEY_ENV_PREFIX} "
+            "are read (staff: enter the key on the provider's page, or rename the variable)"
+        )
+    key = os.environ.get(provider.api_key_env)
+    if not key:
+        raise RemoteConfigError(f"{label} needs an API key, but {provider.api_key_env} is not set on this worker")
+    return key
+
+
 # --- helpers ---------------------------------------------------------------------------------------
 
 
 def http_error_message(label: str, status: int, body: str) -> str:
     """A sentence for a refused request: who refused, the status, and the server's own words."""
     detail = _error_detail(body)
+    if 300 <= status < 400:
+        return f"{label} answered with a redirect (HTTP {status}), which is not followed: correct the provider's URL"
     if status in (401, 403):
         what = f"{label} refused our credentials"
     elif status == 429:
@@ -346,19 +379,19 @@ def http_error_message(label: str, status: int, body: str) -> str:
 def _error_detail(body: str) -> str:
     try:
         parsed = json.loads(body)
-    except (json.JSONDecodeError, ValueError):
-        return " ".join(body.split())[:ERROR_DETAIL_CHARS]
+    except (json.JSONDecodeError, ValueError, RecursionError):
+        return error_excerpt(body, ERROR_DETAIL_CHARS)
     if isinstance(parsed, dict) and parsed.get("error"):
         return _error_text(parsed["error"])
     if isinstance(parsed, dict) and isinstance(parsed.get("message"), str):
-        return parsed["message"][:ERROR_DETAIL_CHARS]
+        return error_excerpt(parsed["message"], ERROR_DETAIL_CHARS)
     return ""
 
 
 def _error_text(error: object) -> str:
     if isinstance(error, dict):
         error = error.get("message") or error.get("code") or ""
-    return str(error).rstrip(".")[:ERROR_DETAIL_CHARS]
+    return error_excerpt(str(error).rstrip("."), ERROR_DETAIL_CHARS)
 
 
 def _reason(exc: Exception) -> str:

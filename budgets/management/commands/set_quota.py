@@ -7,8 +7,6 @@ requests per day and cost per day and per month; a tag, cost per month.
 
 from __future__ import annotations
 
-import re
-
 from django.contrib.auth import get_user_model
 from django.core.management.base import CommandError
 from django.db import transaction
@@ -18,7 +16,7 @@ from accounts.models import ApiKey
 from budgets.actions import QUOTA_FIELDS, do_set_key_caps, do_set_quota, do_set_tag_quota, do_set_team_quota
 from budgets.models import Feature, Period, Quota, TagQuota, Team, TeamQuota
 from budgets.money import NegativeAmount, TooPrecise, parse_usd
-from budgets.tags import TAG_RE, TAG_RULE
+from budgets.tags import TAG_RULE, is_tag, normalise_tag
 
 # The audit trail's actor: no person is logged in on the command line, so the entry has none
 # (the audit page shows "—"), exactly as AuditEntry.actor allows.
@@ -118,7 +116,8 @@ class Command(DatabaseCommand):
         ))
 
     def _tag(self, tag, period, requests, tokens, cost_usd, feature, clear) -> None:
-        if not re.match(TAG_RE, tag):
+        tag = normalise_tag(tag)
+        if not is_tag(tag):
             raise CommandError(f"{tag!r} is not a tag name: {TAG_RULE}.")
         if period != Period.MONTH:
             raise CommandError("A tag's cap is per month: use --period month.")

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('budgets', '0020_tokenlog_tags_index_on_tagged_rows'),
+        ('budgets', '0021_provider_api_key_encrypted'),
     ]
 
     operations = [
