@@ -221,8 +221,15 @@ end
 return released
 """
 
+# KEYS: the counter, its in-flight hash, then the settled marker of each in-flight request read from
+# the ledger. A request that settled between that read and this install (its marker is set) was read
+# as reserved, and its settle found no counter to release: installing now would hold its reservation
+# until the period ends. -1 tells the caller to read the ledger again, where it is settled.
 INSTALL_LUA = """
 if redis.call('HEXISTS', KEYS[1], 'ok') == 1 then return 0 end
+for i = 3, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then return -1 end
+end
 redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('HSET', KEYS[1], 'ok', 1, 'ur', ARGV[1], 'ut', ARGV[2], 'uc', ARGV[3], 'rr', ARGV[4], 'rt', ARGV[5], 'rc', ARGV[6])
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[7]))
@@ -232,6 +239,10 @@ end
 if #ARGV >= 8 then redis.call('EXPIRE', KEYS[2], tonumber(ARGV[7])) end
 return 1
 """
+
+class StaleRebuild(Exception):
+    """A counter's ledger read saw a request in flight that has settled since: read it again."""
+
 
 # (Redis key, the value the caller read there, "" for none): what admit() checks before deciding.
 Versions = tuple[tuple[str, str], ...]
@@ -497,14 +508,18 @@ class CounterStore:
     def install(self, key: str, used: Usage, reserved: Usage, ttl_s: int,
                 in_flight: dict[str, tuple[int, int]] | None = None) -> bool:
         """Write a counter rebuilt from the ledger, with the reservations it holds, unless another
-        process installed it first."""
+        process installed it first. StaleRebuild when a request read as in flight has settled since
+        (the caller reads the ledger again)."""
         args: list = [used.requests, used.tokens, used.cost_micro_usd, reserved.requests, reserved.tokens, reserved.cost_micro_usd, ttl_s]
         for request_id, (tokens, cost) in (in_flight or {}).items():
             args += [request_id, f"{tokens},{cost}"]
         # Not waited for: an install a failover loses leaves the counter missing, so it is rebuilt;
         # and an admission's WAIT covers every write before it, this install included.
         key = self.redis_key(key)
-        reply, _ = self._run(self._install, [key, in_flight_key(key)], args, replicated=False)
+        markers = [self.settled_marker(request_id) for request_id in in_flight or {}]
+        reply, _ = self._run(self._install, [key, in_flight_key(key), *markers], args, replicated=False)
+        if reply == -1:
+            raise StaleRebuild(f"a request counted as in flight in {key} settled while it was rebuilt")
         return bool(reply)
 
     def held(self, key: str) -> dict[str, tuple[int, int]]:

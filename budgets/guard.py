@@ -31,7 +31,7 @@ from django.utils import timezone
 
 from . import ledger_sql, ledger_writer, redis_clients, refcache
 from .batching import Batch
-from .counters import AdmitResult, CounterGroup, CounterSpec, CounterStore, Limits, Usage, Versions
+from .counters import AdmitResult, CounterGroup, CounterSpec, CounterStore, Limits, StaleRebuild, Usage, Versions
 from .live import publish_on_commit
 from .models import (
     Feature,
@@ -729,8 +729,19 @@ def _in_outer_transaction() -> bool:
 
 
 def rebuild_counter(ceiling: Ceiling) -> None:
-    used, reserved, in_flight = ledger_snapshot(ceiling.ledger_filter)
-    counter_store().install(ceiling.spec.key, used, reserved, ceiling.spec.ttl_s, in_flight)
+    """Install the counter from the ledger; read again when a request settled between the read and
+    the install (its reservation would otherwise be held until the period ends)."""
+    for _ in range(REBUILD_READS):
+        used, reserved, in_flight = ledger_snapshot(ceiling.ledger_filter)
+        try:
+            counter_store().install(ceiling.spec.key, used, reserved, ceiling.spec.ttl_s, in_flight)
+            return
+        except StaleRebuild:
+            continue
+    raise GuardUnavailable("requests kept settling while a counter was rebuilt from the ledger")
+
+
+REBUILD_READS = 5
 
 
 # --- settling ------------------------------------------------------------------------------------

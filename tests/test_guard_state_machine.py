@@ -278,3 +278,34 @@ def test_a_counter_rebuilt_between_the_ledger_write_and_the_settle_keeps_the_cap
     admit(AdmissionRequest(uuid.uuid4().hex, alice, chat_feature, MODEL, 100, 700), now=now)
     used, reserved = ledger_sums(ceiling.ledger_filter)
     assert used.tokens + reserved.tokens <= 1_000
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_that_settles_between_a_rebuilds_read_and_its_install_is_not_held_again(
+    alice, chat_feature, redis_db, patient_guard, guard_keys_removed, monkeypatch
+):
+    """Before: the rebuild read the request as in flight, the request settled (finding no counter to
+    release), and the install put its 500 tokens back as reserved until the day ended."""
+    from budgets import guard
+
+    now = timezone.now()
+    Quota.objects.create(period=Period.DAY, max_tokens=1_000)
+    ceiling = user_day_ceiling(alice, chat_feature, now)
+    running = admitted(alice, chat_feature, 100, 400, now)  # reserves 500
+    wipe_counters(redis_db)  # Redis lost the counter while the answer runs
+    read_ledger, settled_meanwhile = guard.ledger_snapshot, []
+
+    def read_then_let_it_settle(ledger_filter):
+        snapshot = read_ledger(ledger_filter)
+        if not settled_meanwhile:  # the fault: the worker finishes right after the rebuild's read
+            settled_meanwhile.append(do_record_usage(running.request_id, status=TokenLog.Status.OK, usage=Usage(100, 50)))
+            settle(TokenLog.objects.get(request_id=running.request_id))  # finds no counter to release
+        return snapshot
+
+    monkeypatch.setattr(guard, "ledger_snapshot", read_then_let_it_settle)
+    guard.rebuild_counter(ceiling)
+    monkeypatch.undo()
+
+    state = counter_store().state(ceiling.spec.key)
+    assert state.reserved.tokens == 0 and state.used.tokens == 150  # read again: settled, not held
+    assert (state.used, state.reserved) == ledger_sums(ceiling.ledger_filter)
