@@ -13,6 +13,7 @@ from django.conf import settings
 from budgets.reconcile import reconcile_forever
 
 from .bus.cancel import listen_for_cancellations
+from .bus.ownership import reassert_claims
 from .bus.stats import publish_stats_forever
 from .engines import get_engine, process_stats, shutdown_engine
 from .variants import VARIANTS, mark_served, variant_queue, worker_variants
@@ -102,6 +103,11 @@ def start_engine_with_worker(**_: object) -> None:
     start_worker_services()
 
 
+def on_heartbeat(client, worker: str, variants) -> None:
+    mark_served(client, worker, variants)
+    reassert_claims(client)
+
+
 def start_worker_services() -> None:
     engine = get_engine()
     _stop_services.clear()
@@ -111,7 +117,8 @@ def start_worker_services() -> None:
     threading.Thread(
         target=publish_stats_forever,
         args=(process_stats, _stop_services),  # every weight variant this worker hosts
-        kwargs={"with_beat": partial(mark_served, variants=worker_variants())},  # its queues are served
+        # With each beat: its queues are served, and the claims of the requests it runs are in Redis.
+        kwargs={"with_beat": partial(on_heartbeat, variants=worker_variants())},
         name="stats-publisher",
         daemon=True,
     ).start()

@@ -79,3 +79,25 @@ def test_a_row_whose_web_process_died_mid_admission_is_settled_and_its_reservati
     state, (used, reserved) = daily_counter_and_ledger(redis_db, alice, chat_feature)
     assert state.reserved.requests == 0  # the reservation the dead process made is gone
     assert (state.used, state.reserved) == (used, reserved)  # and counters = ledger
+
+
+def test_a_live_answer_whose_claim_redis_lost_is_not_taken_for_one_never_picked_up(redis_db, alice, chat_feature):
+    """Before: a healthy answer streaming past the first-token timeout, its claim lost with a Redis
+    restart, was failed by the sweep (unbilled, and its user got an error after the whole answer)."""
+    from inference.bus import ownership, stats
+
+    streaming = admitted(alice, chat_feature, seconds_ago=settings.CEILING_FIRST_TOKEN_TIMEOUT_S + UNCLAIMED_GRACE_S + 5)
+    stats.heartbeat.set()  # this process is the worker that runs it
+    try:
+        ownership.claim_request(streaming, settings.CEILING_RESERVATION_TTL_S)
+        redis_db.delete(RUNNING_KEY.format(streaming))  # Redis lost the claim
+
+        assert settle_requests_never_picked_up() == 0
+        assert TokenLog.objects.get(request_id=streaming).status == TokenLog.Status.RUNNING
+        # With its next heartbeat the worker puts the claim back, so other workers' sweeps see it too.
+        assert ownership.reassert_claims() == 1 and redis_db.exists(RUNNING_KEY.format(streaming))
+        assert ownership.reassert_claims() == 0
+    finally:
+        ownership.release_claim(streaming)
+        stats.heartbeat.clear()
+    assert not ownership.holds(streaming)

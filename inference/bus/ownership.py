@@ -10,6 +10,7 @@ and the ledger counts what the user saw. Every live worker also sweeps these rec
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import redis
@@ -30,6 +31,8 @@ def claim_request(request_id: str, ttl_s: int, inbox: str = "") -> None:
     """
     if not heartbeat.is_set():
         return
+    with _held_lock:
+        _held[request_id] = (ttl_s, inbox)
     key = RUNNING_KEY.format(request_id)
     try:
         with redis_client().pipeline(transaction=True) as pipe:
@@ -47,7 +50,45 @@ if redis.call('exists', KEYS[1]) == 1 then redis.call('hset', KEYS[1], 'tokens',
 """
 
 
+# The claims this process holds. Its heartbeat puts back one that Redis lost (a restart, a failover)
+# within a beat, and its own sweep never takes one of them for a request no worker picked up: without
+# this, a healthy answer running past the first-token timeout was failed there, unbilled, and its user
+# got an error after the whole answer.
+_held: dict[str, tuple[int, str]] = {}
+_held_lock = threading.Lock()
+
+REASSERT_LUA = """
+if redis.call('exists', KEYS[1]) == 1 then return 0 end
+redis.call('hset', KEYS[1], 'worker', ARGV[1], 'tokens', 0, 'inbox', ARGV[2])
+redis.call('expire', KEYS[1], tonumber(ARGV[3]))
+return 1
+"""
+
+
+def holds(request_id: str) -> bool:
+    """Whether this process runs the request (whatever Redis says)."""
+    return request_id in _held
+
+
+def reassert_claims(client: redis.Redis | None = None) -> int:
+    """Put back this process's claims that Redis lost; how many were missing. Runs with each heartbeat."""
+    with _held_lock:
+        held = list(_held.items())
+    if not held:
+        return 0
+    client = client or redis_client()
+    with client.pipeline(transaction=False) as pipe:
+        for request_id, (ttl_s, inbox) in held:
+            pipe.eval(REASSERT_LUA, 1, RUNNING_KEY.format(request_id), worker_id(), inbox, ttl_s)
+        restored = sum(pipe.execute())
+    if restored:
+        log.warning("put back %d request claims that Redis had lost", restored)
+    return restored
+
+
 def release_claim(request_id: str) -> None:
+    with _held_lock:
+        _held.pop(request_id, None)
     try:
         redis_client().delete(RUNNING_KEY.format(request_id))
     except redis.RedisError:

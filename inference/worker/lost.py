@@ -13,7 +13,8 @@ The same sweep settles a request admitted long ago that no worker ever claimed: 
 its task prefetched (tasks are acked on receipt, never redelivered), or its queue lost it. The web
 process waiting for it settles it at CEILING_FIRST_TOKEN_TIMEOUT_S; one that died too left it
 running, its reservation held, for CEILING_RESERVATION_TTL_S. Past the first-token timeout plus
-UNCLAIMED_GRACE_S, an unclaimed row can only be such a request (or one whose web process died in
+UNCLAIMED_GRACE_S, an unclaimed row (asked twice, a heartbeat apart: a live owner puts back a claim
+Redis lost, inference/bus/ownership.py) can only be such a request (or one whose web process died in
 the middle of its admission, before any dispatch): it is settled failed with 0 tokens and whatever a
 counter holds for it is released.
 A worker that picks the task up afterwards finds it settled and skips it.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from datetime import datetime, timedelta
 
 import redis
@@ -37,7 +39,7 @@ from budgets.models import TokenLog
 from budgets.reconcile import fail_lost_request
 from inference.actions import do_fail_lost_request, worker_lost_event
 from inference.bus.outbox import channel_sender
-from inference.bus.ownership import lost_claims, unclaimed
+from inference.bus.ownership import holds, lost_claims, unclaimed
 
 UNCLAIMED_GRACE_S = 30  # beyond the first-token timeout: the waiting web process settles first
 UNCLAIMED_BATCH = 500  # rows looked at per sweep; the next sweep takes the rest
@@ -77,11 +79,24 @@ def settle_requests_never_picked_up(now: datetime | None = None) -> int:
     }
     settled = 0
     error = NEVER_PICKED_UP_ERROR.format(seconds=waited_s)
-    for request_id in unclaimed(list(candidates)):
+    for request_id in unclaimed_after_a_beat([request_id for request_id in candidates if not holds(request_id)]):
         if fail_lost_request(candidates[request_id], error):
             settled += 1
             log.warning("request %s: no worker picked it up within %.0f s; settled", request_id, waited_s)
     return settled
+
+
+# Two heartbeats: a live owner whose claim Redis lost has put it back by then (ownership.reassert_claims).
+CLAIM_REASSERT_S = 1.0
+
+
+def unclaimed_after_a_beat(request_ids: list[str]) -> list[str]:
+    """Those of the requests no worker claims, asked again after a live owner could put a lost claim back."""
+    missing = unclaimed(request_ids)
+    if not missing:
+        return []
+    time.sleep(CLAIM_REASSERT_S)
+    return unclaimed(missing)
 
 
 def settle_lost_requests_forever(stop: threading.Event, every_s: float) -> None:
