@@ -14,6 +14,7 @@ from django.utils import timezone
 from budgets.models import Quota, TokenLog
 from inference.actions import do_admit_request
 from inference.bus.ownership import RUNNING_KEY
+from inference.bus.stats import STATS_KEY_PREFIX
 from inference.worker.lost import UNCLAIMED_GRACE_S, settle_requests_never_picked_up
 from tests.faults import daily_counter_and_ledger
 
@@ -40,6 +41,8 @@ def test_an_unclaimed_request_past_the_first_token_timeout_is_settled_and_its_re
     young = admitted(alice, chat_feature, seconds_ago=1)  # its web process may still settle it
     claimed = admitted(alice, chat_feature, seconds_ago=past_waiting)  # a worker runs it: its sweep's business
     redis_db.hset(RUNNING_KEY.format(claimed), mapping={"worker": "someone", "tokens": 0, "inbox": ""})
+    # A live worker's heartbeat, so the test stack's own sweep of dead workers' requests leaves it alone.
+    redis_db.set(f"{STATS_KEY_PREFIX}someone", "{}", ex=60)
     try:
         assert settle_requests_never_picked_up() == 1
         assert settle_requests_never_picked_up() == 0  # settled once, whatever sweeps again
@@ -53,7 +56,7 @@ def test_an_unclaimed_request_past_the_first_token_timeout_is_settled_and_its_re
         assert (state.used, state.reserved) == (used, reserved)  # counters = ledger
         assert reserved.requests == 2 and used.requests == 1  # the lost one counts as asked, its hold is gone
     finally:
-        redis_db.delete(RUNNING_KEY.format(claimed))
+        redis_db.delete(RUNNING_KEY.format(claimed), f"{STATS_KEY_PREFIX}someone")
 
 
 def test_rows_older_than_the_reservation_ttl_are_left_to_the_reconciliation(redis_db, alice, chat_feature):
