@@ -5,6 +5,7 @@ class InferenceConfig(AppConfig):
     name = "inference"
 
     def ready(self) -> None:
-        from . import live  # imports models: only once the app registry is ready
+        from . import live, revocation  # import models: only once the app registry is ready
 
         live.connect()
+        revocation.connect()

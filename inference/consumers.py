@@ -27,6 +27,7 @@ from budgets.live import DASHBOARD_GROUP
 from budgets.usage import today_allowance
 
 from .bus.stats import read_engine_stats
+from .revocation import still_allowed, user_group
 from .web.chat_request import TERMINAL, run_chat
 from .web.frames import CancelFrame, ChatFrame, FrameError, parse_frame
 
@@ -42,10 +43,19 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await self.close(code=4401)
             return
         self.generation: asyncio.Task | None = None
+        await self.channel_layer.group_add(user_group(self.user.pk), self.channel_name)
         await self.accept()
 
     async def disconnect(self, code: int) -> None:
         await self._cancel_generation()
+        if getattr(self, "user", None) is not None and self.user.is_authenticated:
+            await self.channel_layer.group_discard(user_group(self.user.pk), self.channel_name)
+
+    async def session_check(self, event: dict) -> None:
+        """The user logged out, or their row changed: close unless they may still chat (revocation.py)."""
+        if not await still_allowed(self.scope, staff=False):
+            await self._cancel_generation()
+            await self.close(code=4401)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         try:
@@ -112,6 +122,8 @@ class DashboardConsumer(AsyncWebsocketConsumer):
             await self.close(code=4403)
             return
         await self.channel_layer.group_add(DASHBOARD_GROUP, self.channel_name)
+        await self.channel_layer.group_add(user_group(user.pk), self.channel_name)
+        self.user_id = user.pk
         await self.accept()
         self.engine_task = asyncio.create_task(self._push_engine_stats())
 
@@ -120,6 +132,13 @@ class DashboardConsumer(AsyncWebsocketConsumer):
         if task is not None:
             task.cancel()
         await self.channel_layer.group_discard(DASHBOARD_GROUP, self.channel_name)
+        if getattr(self, "user_id", None) is not None:
+            await self.channel_layer.group_discard(user_group(self.user_id), self.channel_name)
+
+    async def session_check(self, event: dict) -> None:
+        """The user logged out or their row changed: close unless they are still active staff (revocation.py)."""
+        if not await still_allowed(self.scope, staff=True):
+            await self.close(code=4403)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         # Read-only feed: anything a client sends is ignored, never an error that could be abused.

@@ -6,6 +6,7 @@ ImproperlyConfigured on nonsense, so a typo fails at start-up instead of at 3 a.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -261,6 +262,15 @@ AXES_FAILURE_LIMIT = envint("CEILING_LOGIN_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = envfloat("CEILING_LOGIN_COOLOFF_MINUTES", 15.0, minimum=0.1) / 60  # axes counts in hours
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
+# Behind a reverse proxy: its addresses (or networks), whose X-Forwarded-For is believed, so the
+# throttle keys on the real client and not on the proxy that every request comes through.
+CEILING_TRUSTED_PROXIES = envlist("CEILING_TRUSTED_PROXIES", [])
+for _proxy in CEILING_TRUSTED_PROXIES:
+    try:
+        ipaddress.ip_network(_proxy, strict=False)
+    except ValueError:
+        raise ImproperlyConfigured(f"CEILING_TRUSTED_PROXIES: {_proxy!r} is not an IP address or network (such as 10.0.0.0/8)") from None
+AXES_CLIENT_IP_CALLABLE = "project.proxies.client_address"
 AXES_VERBOSE = False
 
 AUTH_PASSWORD_VALIDATORS = [
