@@ -177,9 +177,10 @@ class FeatureForm(forms.ModelForm):
         model = Feature
         fields = [
             "name", "description", "enabled", "mode", "max_input_tokens", "max_output_tokens", "provider",
-            "fallback", "cache_ttl_s", "semantic_threshold", "cache_shared",
+            "fallback", "cache_ttl_s", "semantic_threshold", "cache_shared", "quantization_pinned",
         ]
-        labels = {"cache_ttl_s": "Answer cache TTL (seconds)", "semantic_threshold": "Semantic cache threshold"}
+        labels = {"cache_ttl_s": "Answer cache TTL (seconds)", "semantic_threshold": "Semantic cache threshold",
+                  "quantization_pinned": "Pin its model weights"}
         help_texts = {
             "name": "What clients send as \"feature\": lowercase letters, digits, - and _. Renaming breaks clients that use the old name.",
             "max_input_tokens": "Longer prompts are refused.",

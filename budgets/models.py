@@ -193,6 +193,11 @@ class Feature(models.Model):
     # Which weights of the local model serve this feature. Not in the feature form: staff switch it
     # on the feature page, only after an evaluation passed (inference.actions.do_switch_quantization).
     quantization = models.CharField(max_length=8, choices=Quantization.choices, default=Quantization.NONE)
+    # Staff chose these weights: the start-up's adoption of the shipped verdict (inference/shipped.py)
+    # never switches a pinned feature. A switch on the feature page pins it.
+    quantization_pinned = models.BooleanField(
+        default=False, help_text="keep these weights: `make run` never switches them to the shipped verdict's",
+    )
     # The simpler path: when the guard would refuse this feature for a cost or provider-spend cap, it
     # serves the request with the fallback instead, if that fits (budgets/guard.py). One hop only: a
     # fallback's own fallback is never followed, so no configuration can make an admission loop.

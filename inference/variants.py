@@ -28,6 +28,14 @@ VARIANTS = ("none", "int8", "q4", "bf16")  # inference/engine/patches/quantizati
 SERVING_KEY = "ceiling:serving:{}"  # per queue: the last worker that said it serves it
 SERVING_TTL_S = 60
 QUEUE_FOR_SMALL_JOBS = "default"  # alert emails: every worker takes them
+# The quantization gate's verdict shipped with the bundled model (inference/shipped.py adopts it at start).
+SHIPPED_MODE = "q4"
+
+
+def shipped_verdict_applies(mode: str) -> bool:
+    """Whether the shipped verdict stands in for an evaluation of `mode`: q4 of the bundled model (a
+    Q4_1 GGUF, whose full precision is those 4-bit weights dequantized). CEILING_MODEL names another."""
+    return mode == SHIPPED_MODE and not settings.CEILING_MODEL
 
 
 def default_variant() -> str:

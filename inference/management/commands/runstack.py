@@ -39,6 +39,7 @@ class Command(BaseCommand):
         try:
             redis_url = self.ensure_redis(processes)
             self.prepare_model()
+            self.adopt_shipped_weights()
             env = stack.child_env(REDIS_URL=redis_url)
             for variant in self.variants(only):
                 # One worker per weight variant: two engines in one process slow each other ~1.6×.
@@ -78,6 +79,18 @@ class Command(BaseCommand):
 
         folder = model_dir(progress=self.stdout.write)
         self.stdout.write(f"Model files: {folder}")
+
+    def adopt_shipped_weights(self) -> None:
+        """The demo features on the q4 weights the gate's shipped verdict approves, before any worker
+        starts (so the q4 worker is among them), or back in full precision where q4 cannot run here."""
+        from inference.engine.config import default_device
+        from inference.shipped import adopt_shipped_verdict, q4_problem
+
+        problem = q4_problem(settings.CEILING_DEVICE or default_device())
+        try:
+            adopt_shipped_verdict(problem, say=self.stdout.write)
+        except DatabaseError as exc:  # not migrated: the features do not exist yet
+            self.stdout.write(f"Weights not chosen (the database is not ready: {exc})")
 
     def wait_for_exit(self, processes: list[subprocess.Popen]) -> None:
         stopping = []
