@@ -91,13 +91,17 @@ def unavailable_message(feature_name: str, variant: str) -> str:
             f"CEILING_WORKER_VARIANTS={variant} with --queues {variant_queue(variant)}), or switch the feature back.")
 
 
-def variants_in_use() -> list[str]:
-    """The default variant and every variant an enabled local feature is switched to (runstack's workers)."""
+def feature_variants() -> set[str]:
+    """The variants enabled local features are switched to."""
     from budgets.models import Feature, Provider
 
     features = Feature.objects.filter(enabled=True).exclude(provider__kind=Provider.Kind.OPENAI_COMPATIBLE)
-    used = set(features.values_list("quantization", flat=True))
-    return [default_variant(), *sorted(used - {default_variant()})]
+    return set(features.values_list("quantization", flat=True))
+
+
+def variants_in_use() -> list[str]:
+    """The default variant and every variant an enabled local feature is switched to (runstack's workers)."""
+    return [default_variant(), *sorted(feature_variants() - {default_variant()})]
 
 
 def variant_model_name(variant: str) -> str:
