@@ -178,6 +178,7 @@ class FeatureForm(forms.ModelForm):
         fields = [
             "name", "description", "enabled", "mode", "max_input_tokens", "max_output_tokens", "provider",
             "fallback", "cache_ttl_s", "semantic_threshold", "cache_shared", "quantization_pinned",
+            "temperature", "top_p", "frequency_penalty", "presence_penalty",
         ]
         labels = {"cache_ttl_s": "Answer cache TTL (seconds)", "semantic_threshold": "Semantic cache threshold",
                   "quantization_pinned": "Pin its model weights"}

@@ -205,10 +205,37 @@ class Feature(models.Model):
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="fallback_for",
         help_text="served instead when a cost or provider-spend cap refuses this feature (a cheaper provider or a smaller model)",
     )
+    # Generation defaults: what a request gets for each value it does not give itself (the chat page
+    # gives none). Plain greedy decoding unless staff set them; the demo's features use a frequency
+    # penalty on greedy decoding (seed_demo, docs/configuration.md): SmolLM2 loops greedily, and a
+    # penalty keeps the answer deterministic, so the answer caches still hold it.
+    temperature = models.FloatField(
+        default=0.0, validators=[MinValueValidator(0.0), MaxValueValidator(2.0)],
+        help_text="0 decodes greedily (deterministic, cacheable); above 0 samples",
+    )
+    top_p = models.FloatField(
+        default=1.0, validators=[MinValueValidator(0.01), MaxValueValidator(1.0)],
+        help_text="nucleus sampling: the smallest set of likely tokens whose probability reaches this (1 = all)",
+    )
+    frequency_penalty = models.FloatField(
+        default=0.0, validators=[MinValueValidator(-2.0), MaxValueValidator(2.0)],
+        help_text="lowers a token by this much for each time the answer already used it (0.5 stops the demo model looping)",
+    )
+    presence_penalty = models.FloatField(
+        default=0.0, validators=[MinValueValidator(-2.0), MaxValueValidator(2.0)],
+        help_text="lowers a token by this much once the answer has used it",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
+
+    PLAIN_GENERATION = {"temperature": 0.0, "top_p": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
     def __str__(self) -> str:
         return self.name
+
+    def generation_defaults(self) -> dict:
+        """The feature's generation values that differ from plain greedy decoding, as a request's stored
+        params name them (inference/web/params.py): a request's own values win over these."""
+        return {name: getattr(self, name) for name, plain in self.PLAIN_GENERATION.items() if getattr(self, name) != plain}
 
     def fallback_loop(self, candidate: Feature | None) -> list[Feature]:
         """The chain candidate → its fallback → … when it comes back to this feature ([] when it does not).
