@@ -225,9 +225,17 @@ class Feature(models.Model):
         default=0.0, validators=[MinValueValidator(-2.0), MaxValueValidator(2.0)],
         help_text="lowers a token by this much once the answer has used it",
     )
+    # The feature the chat page opens on (at most one; none marked: `chat`). Never the alphabetically
+    # first: a `bench` feature the benchmark made sorted first and refused alice's next chat.
+    is_default = models.BooleanField(default=False, help_text="the chat page opens on this feature")
     created_at = models.DateTimeField(auto_now_add=True)
 
     PLAIN_GENERATION = {"temperature": 0.0, "top_p": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["is_default"], condition=models.Q(is_default=True), name="one_default_feature"),
+        ]
 
     def __str__(self) -> str:
         return self.name
