@@ -49,6 +49,10 @@ class Command(BaseCommand):
         if stack.port_answers(host, port):
             raise CommandError(f"Something already listens on {host}:{port}; stop it or pass --port.")
         processes: list[subprocess.Popen] = []
+        # SIGTERM while the workers start (minutes) must stop what was started, as Ctrl-C does: by
+        # default it ended this process at once and left a compiling worker behind, orphaned.
+        signal.signal(signal.SIGTERM, _interrupt)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # even if our parent ignored it
         try:
             redis_url = self.ensure_redis(processes)
             self.prepare_model()
@@ -65,6 +69,8 @@ class Command(BaseCommand):
             stack.wait_until(lambda: stack.port_answers(host, port), timeout=60, what="daphne")
             self.stdout.write(self.style.SUCCESS(f"\nCeiling is running: http://{host}:{port}/  (Ctrl-C stops it)\n"))
             self.wait_for_exit(processes)
+        except KeyboardInterrupt:
+            pass
         finally:
             self.stdout.write("Stopping…")
             stack.stop_all(processes)
@@ -144,6 +150,10 @@ class Command(BaseCommand):
                 time.sleep(0.5)
         except KeyboardInterrupt:
             pass
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
 
 
 def worker_ready(redis_url: str, process: subprocess.Popen, timeout: float) -> bool:
