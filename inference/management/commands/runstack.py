@@ -63,7 +63,7 @@ class Command(BaseCommand):
             served = self.served_by_features()
             for variant in self.variants(only):
                 # One worker per weight variant: two engines in one process slow each other ~1.6×.
-                processes.append(self.start_worker(variant, concurrency, env, redis_url, compiles=variant in served))
+                self.start_worker(processes, variant, concurrency, env, redis_url, compiles=variant in served)
             self.stdout.write(f"Starting daphne on {host}:{port}…")
             processes.append(subprocess.Popen(stack.daphne_argv(host, port), env=env))
             stack.wait_until(lambda: stack.port_answers(host, port), timeout=60, what="daphne")
@@ -89,9 +89,10 @@ class Command(BaseCommand):
         except DatabaseError:
             return {default_variant()}
 
-    def start_worker(self, variant: str, concurrency: int, env: dict[str, str], redis_url: str, *,
-                     compiles: bool) -> subprocess.Popen:
-        """Start one variant's worker and wait until it serves (it publishes its stats only then)."""
+    def start_worker(self, processes: list[subprocess.Popen], variant: str, concurrency: int, env: dict[str, str],
+                     redis_url: str, *, compiles: bool) -> None:
+        """Start one variant's worker and wait until it serves (it publishes its stats only then); it joins
+        `processes` before the wait, so a Ctrl-C during the wait stops it too."""
         extra = {"CEILING_WORKER_VARIANTS": variant}
         if not compiles:
             # The default variant's worker also serves remote features and small jobs; while no feature
@@ -103,13 +104,13 @@ class Command(BaseCommand):
         process = subprocess.Popen(
             stack.worker_argv(concurrency, f"inference-{variant}@%h", queues=worker_queues([variant])), env=env | extra,
         )
+        processes.append(process)
         timeout = WORKER_LOAD_S + (settings.CEILING_COMPILE_WAIT_S if compiles else 0)
         if worker_ready(redis_url, process, timeout):
             self.stdout.write(f"The {variant} worker serves at full speed ({time.monotonic() - started:.0f} s after its start).")
         else:
             self.stdout.write(self.style.WARNING(f"The {variant} worker did not report ready within {timeout:.0f} s; "
                                                  f"going on (its chats queue until it does)."))
-        return process
 
     def ensure_redis(self, processes: list[subprocess.Popen]) -> str:
         if stack.redis_answers(settings.REDIS_URL):
