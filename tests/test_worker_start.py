@@ -4,10 +4,12 @@ only once each worker serves at full speed (runstack waits for its stats, one wo
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from django.conf import settings
@@ -15,6 +17,8 @@ from django.core.management.base import CommandError
 
 from inference.bus.stats import STATS_KEY_PREFIX
 from inference.management.commands.runstack import worker_ready
+from project import stack
+from tests.conftest import stack_env
 
 ROOT = settings.BASE_DIR
 
@@ -69,3 +73,38 @@ def test_runstack_refuses_to_go_on_when_a_worker_exits_before_it_served(redis_db
 
     with pytest.raises(CommandError, match="exited with code 3 before it served"):
         worker_ready(settings.REDIS_URL, process, timeout=10.0)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return found
+
+
+def test_sigterm_while_a_worker_starts_stops_that_worker_too(transactional_db, redis_db):
+    # It ended runstack at once and left the starting worker behind, orphaned, compiling for minutes.
+    runstack = subprocess.Popen([sys.executable, "manage.py", "runstack", "--port", str(stack.free_port()), "--variants", "none"],
+                                cwd=ROOT, env=stack_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        stack.wait_until(lambda: _children(runstack.pid), timeout=120, what="runstack's worker")
+        worker = _children(runstack.pid)[0]
+        runstack.send_signal(signal.SIGTERM)
+        runstack.wait(timeout=30)
+        stack.wait_until(lambda: not Path(f"/proc/{worker}").exists() or "Z" in _state(worker), timeout=5,
+                         what="the worker's end")
+    finally:
+        runstack.kill()
+        runstack.wait()
+    assert "Stopping…" in runstack.stdout.read()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
