@@ -56,7 +56,7 @@ class Command(BaseCommand):
         try:
             redis_url = self.ensure_redis(processes)
             self.prepare_model()
-            self.adopt_shipped_weights()
+            self.adopt_shipped_weights(only)
             env = stack.child_env(REDIS_URL=redis_url)
             # Inductor's compile cache where the configuration says, set before the worker imports torch.
             env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(settings.VAR_DIR) / "inductor"))
@@ -127,13 +127,17 @@ class Command(BaseCommand):
         folder = model_dir(progress=self.stdout.write)
         self.stdout.write(f"Model files: {folder}")
 
-    def adopt_shipped_weights(self) -> None:
+    def adopt_shipped_weights(self, only: list[str]) -> None:
         """The demo features on the q4 weights the gate's shipped verdict approves, before any worker
-        starts (so the q4 worker is among them), or back in full precision where q4 cannot run here."""
+        starts (so the q4 worker is among them), or back in full precision where q4 cannot run here
+        (or --variants starts no q4 worker: its chats would be refused)."""
         from inference.engine.config import default_device
-        from inference.shipped import adopt_shipped_verdict, q4_problem
+        from inference.shipped import SHIPPED_MODE, adopt_shipped_verdict, q4_problem
 
-        problem = q4_problem(settings.CEILING_DEVICE or default_device())
+        if only and SHIPPED_MODE not in only:
+            problem = f"--variants {','.join(only)} starts no {SHIPPED_MODE} worker"
+        else:
+            problem = q4_problem(settings.CEILING_DEVICE or default_device())
         try:
             adopt_shipped_verdict(problem, say=self.stdout.write)
         except DatabaseError as exc:  # not migrated: the features do not exist yet
