@@ -189,10 +189,12 @@ class FeatureForm(forms.ModelForm):
         model = Feature
         fields = [
             "name", "description", "enabled", "mode", "max_input_tokens", "max_output_tokens", "provider",
-            "fallback", "cache_ttl_s", "semantic_threshold", "cache_shared",
+            "fallback", "cache_ttl_s", "semantic_threshold", "cache_shared", "quantization_pinned",
+            "temperature", "top_p", "frequency_penalty", "presence_penalty", "is_default",
         ]
         labels = {"cache_ttl_s": "Answer cache TTL (seconds)", "semantic_threshold": "Semantic cache threshold",
-                  "cache_shared": "Share cached answers across users"}
+                  "cache_shared": "Share cached answers across users",
+                  "quantization_pinned": "Pin its model weights", "is_default": "Default on the chat page"}
         help_texts = {
             "name": "What clients send as \"feature\": lowercase letters, digits, - and _. Renaming breaks clients that use the old name.",
             "max_input_tokens": "Longer prompts are refused.",
@@ -213,6 +215,24 @@ class FeatureForm(forms.ModelForm):
         fallback.queryset = Feature.objects.exclude(pk=self.instance.pk).order_by("name")
         fallback.empty_label = "none: refuse when a cost cap is reached"
         fallback.error_messages["invalid_choice"] = "Choose one of the listed features; a feature is never its own fallback."
+        for name in Feature.PLAIN_GENERATION:  # left empty (or by an older client): plain greedy decoding
+            self.fields[name].required = False
+
+    def clean(self) -> dict:
+        cleaned = super().clean()
+        for name, plain in Feature.PLAIN_GENERATION.items():
+            if name in cleaned and cleaned[name] is None:
+                cleaned[name] = plain
+        return cleaned
+
+    def clean_is_default(self) -> bool:
+        """One default at a time: staff untick the current one first, so no change happens unseen."""
+        marked = self.cleaned_data.get("is_default")
+        if marked:
+            other = Feature.objects.filter(is_default=True).exclude(pk=self.instance.pk).first()
+            if other is not None:
+                raise forms.ValidationError(f"{other.name} is the chat page's default feature; untick it there first.")
+        return marked
 
     def clean_fallback(self) -> Feature | None:
         fallback = self.cleaned_data.get("fallback")

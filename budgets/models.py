@@ -211,6 +211,11 @@ class Feature(models.Model):
     # Which weights of the local model serve this feature. Not in the feature form: staff switch it
     # on the feature page, only after an evaluation passed (inference.actions.do_switch_quantization).
     quantization = models.CharField(max_length=8, choices=Quantization.choices, default=Quantization.NONE)
+    # Staff chose these weights: the start-up's adoption of the shipped verdict (inference/shipped.py)
+    # never switches a pinned feature. A switch on the feature page pins it.
+    quantization_pinned = models.BooleanField(
+        default=False, help_text="keep these weights: `make run` never switches them to the shipped verdict's",
+    )
     # The simpler path: when the guard would refuse this feature for a cost or provider-spend cap, it
     # serves the request with the fallback instead, if that fits (budgets/guard.py). One hop only: a
     # fallback's own fallback is never followed, so no configuration can make an admission loop.
@@ -218,10 +223,45 @@ class Feature(models.Model):
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="fallback_for",
         help_text="served instead when a cost or provider-spend cap refuses this feature (a cheaper provider or a smaller model)",
     )
+    # Generation defaults: what a request gets for each value it does not give itself (the chat page
+    # gives none). Plain greedy decoding unless staff set them; the demo's features use a frequency
+    # penalty on greedy decoding (seed_demo, docs/configuration.md): SmolLM2 loops greedily, and a
+    # penalty keeps the answer deterministic, so the answer caches still hold it.
+    temperature = models.FloatField(
+        default=0.0, validators=[MinValueValidator(0.0), MaxValueValidator(2.0)],
+        help_text="0 decodes greedily (deterministic, cacheable); above 0 samples",
+    )
+    top_p = models.FloatField(
+        default=1.0, validators=[MinValueValidator(0.01), MaxValueValidator(1.0)],
+        help_text="nucleus sampling: the smallest set of likely tokens whose probability reaches this (1 = all)",
+    )
+    frequency_penalty = models.FloatField(
+        default=0.0, validators=[MinValueValidator(-2.0), MaxValueValidator(2.0)],
+        help_text="lowers a token by this much for each time the answer already used it (0.5 stops the demo model looping)",
+    )
+    presence_penalty = models.FloatField(
+        default=0.0, validators=[MinValueValidator(-2.0), MaxValueValidator(2.0)],
+        help_text="lowers a token by this much once the answer has used it",
+    )
+    # The feature the chat page opens on (at most one; none marked: `chat`). Never the alphabetically
+    # first: a `bench` feature the benchmark made sorted first and refused alice's next chat.
+    is_default = models.BooleanField(default=False, help_text="the chat page opens on this feature")
     created_at = models.DateTimeField(auto_now_add=True)
+
+    PLAIN_GENERATION = {"temperature": 0.0, "top_p": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["is_default"], condition=models.Q(is_default=True), name="one_default_feature"),
+        ]
 
     def __str__(self) -> str:
         return self.name
+
+    def generation_defaults(self) -> dict:
+        """The feature's generation values that differ from plain greedy decoding, as a request's stored
+        params name them (inference/web/params.py): a request's own values win over these."""
+        return {name: getattr(self, name) for name, plain in self.PLAIN_GENERATION.items() if getattr(self, name) != plain}
 
     def fallback_loop(self, candidate: Feature | None) -> list[Feature]:
         """The chain candidate → its fallback → … when it comes back to this feature ([] when it does not).

@@ -15,6 +15,7 @@ from budgets.models import AuditEntry, Feature, RetrievalFacts, TokenLog, unique
 
 from . import retrieval
 from .models import Chunk, Document, ModelAlias, QuantizationEvaluation, QuantizationPolicy, Transcript
+from .variants import shipped_verdict_applies
 
 
 def do_admit_request(
@@ -215,6 +216,8 @@ def switch_refusal(feature: Feature, mode: str) -> str | None:
 def evaluation_refusal(feature: Feature, mode: str, latest: QuantizationEvaluation | None) -> str | None:
     """switch_refusal's verdict from `mode`'s latest evaluation, for a caller that has read it already."""
     command = f"python manage.py evaluate_quantization --feature {feature.name} --mode {mode}"
+    if latest is None and shipped_verdict_applies(mode):
+        return None  # the verdict shipped with the bundled model stands until an evaluation here replaces it
     if latest is None:
         return f"No {mode} evaluation of {feature.name} has been run yet: run `{command}` first."
     when = f"{latest.created_at:%Y-%m-%d %H:%M}"
@@ -229,13 +232,20 @@ def evaluation_refusal(feature: Feature, mode: str, latest: QuantizationEvaluati
 
 
 def do_switch_quantization(actor: AbstractBaseUser | None, feature: Feature, mode: str) -> list:
-    """Serve the feature with `mode` weights from its next request on; audited like other config changes."""
+    """Serve the feature with `mode` weights from its next request on; audited like other config changes.
+
+    A person's switch (an actor) also pins the feature: the start-up's adoption of the shipped verdict
+    (inference/shipped.py) never overrides what staff chose. A command's (no actor) pins nothing.
+    """
     refusal = switch_refusal(feature, mode)
     if refusal:
         raise SwitchRefused(refusal)
-    before = snapshot(feature, ["quantization"])
+    fields = ["quantization", "quantization_pinned"]
+    before = snapshot(feature, fields)
     feature.quantization = mode
-    return do_save_with_audit(actor, feature, ["quantization"], before, target=f"feature {feature.name}")
+    if actor is not None:
+        feature.quantization_pinned = True
+    return do_save_with_audit(actor, feature, fields, before, target=f"feature {feature.name}")
 
 
 # --- model aliases: which feature a request's "model" selects ---------------------------------------

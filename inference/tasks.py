@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from functools import partial
 
 from celery import shared_task
@@ -110,6 +111,7 @@ def on_heartbeat(client, worker: str, variants) -> None:
 
 def start_worker_services() -> None:
     engine = get_engine()
+    _compile_before_serving(engine)
     _stop_services.clear()
     threading.Thread(
         target=listen_for_cancellations, args=(handles.cancel, _stop_services), name="cancel-listener", daemon=True
@@ -137,6 +139,22 @@ def start_worker_services() -> None:
             name="throughput-reporter", daemon=True,
         ).start()
     log.info("engine ready: %s", engine.stats().as_dict())
+
+
+def _compile_before_serving(engine) -> None:
+    """Wait for the decode steps' compile (a minute a bucket on 2 cores, seconds from var/inductor) before
+    this worker takes requests and says its queues are served: compiling beside a chat made both slow."""
+    if settings.CEILING_COMPILE_WAIT_S <= 0:
+        return
+    started = time.monotonic()
+    if engine.wait_for_compile(timeout=settings.CEILING_COMPILE_WAIT_S):
+        report = engine.compile_report()
+        if report is not None:
+            log.info("decode steps compiled before taking requests, in %.1f s: %s", time.monotonic() - started,
+                     report.describe())
+    else:
+        log.warning("the decode steps were still compiling after CEILING_COMPILE_WAIT_S=%.0f s; taking requests "
+                    "now, eagerly, while the compile goes on", settings.CEILING_COMPILE_WAIT_S)
 
 
 @worker_shutdown.connect

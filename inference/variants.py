@@ -28,6 +28,14 @@ VARIANTS = ("none", "int8", "q4", "bf16")  # inference/engine/patches/quantizati
 SERVING_KEY = "ceiling:serving:{}"  # per queue: the last worker that said it serves it
 SERVING_TTL_S = 60
 QUEUE_FOR_SMALL_JOBS = "default"  # alert emails: every worker takes them
+# The quantization gate's verdict shipped with the bundled model (inference/shipped.py adopts it at start).
+SHIPPED_MODE = "q4"
+
+
+def shipped_verdict_applies(mode: str) -> bool:
+    """Whether the shipped verdict stands in for an evaluation of `mode`: q4 of the bundled model (a
+    Q4_1 GGUF, whose full precision is those 4-bit weights dequantized). CEILING_MODEL names another."""
+    return mode == SHIPPED_MODE and not settings.CEILING_MODEL
 
 
 def default_variant() -> str:
@@ -83,13 +91,17 @@ def unavailable_message(feature_name: str, variant: str) -> str:
             f"CEILING_WORKER_VARIANTS={variant} with --queues {variant_queue(variant)}), or switch the feature back.")
 
 
-def variants_in_use() -> list[str]:
-    """The default variant and every variant an enabled local feature is switched to (runstack's workers)."""
+def feature_variants() -> set[str]:
+    """The variants enabled local features are switched to."""
     from budgets.models import Feature, Provider
 
     features = Feature.objects.filter(enabled=True).exclude(provider__kind=Provider.Kind.OPENAI_COMPATIBLE)
-    used = set(features.values_list("quantization", flat=True))
-    return [default_variant(), *sorted(used - {default_variant()})]
+    return set(features.values_list("quantization", flat=True))
+
+
+def variants_in_use() -> list[str]:
+    """The default variant and every variant an enabled local feature is switched to (runstack's workers)."""
+    return [default_variant(), *sorted(feature_variants() - {default_variant()})]
 
 
 def variant_model_name(variant: str) -> str:

@@ -17,12 +17,23 @@ def chat(request: HttpRequest) -> HttpResponse:
     )
     config = {
         "features": features,
+        "default_feature": default_feature(features),
         "default_max_tokens": settings.CEILING_DEFAULT_MAX_TOKENS,
         "max_tokens_limit": settings.CEILING_MAX_TOKENS_LIMIT,
         # The same object `done` and `refused` frames carry: the page draws it and redraws it after each answer.
         "allowance": today_allowance(request.user, timezone.now()),
     }
     return render(request, "inference/chat.html", {"chat_config": config})
+
+
+def default_feature(names: list[str]) -> str | None:
+    """The feature the chat page opens on: the one staff marked as default, else `chat`, else the first."""
+    marked = Feature.objects.filter(is_default=True, name__in=names).values_list("name", flat=True).first()
+    if marked is not None:
+        return marked
+    if "chat" in names:
+        return "chat"
+    return names[0] if names else None
 
 
 @login_required

@@ -378,6 +378,10 @@ CEILING_Q4_WIDE_BF16 = envbool("CEILING_Q4_WIDE_BF16", True)
 # each bucket used only where it measures faster than eager (inference/engine/owned/compiled.py).
 # CEILING_COMPILE_DECODE=0 turns it off (`make test` does: each test engine would compile).
 CEILING_COMPILE_DECODE = envbool("CEILING_COMPILE_DECODE", True)
+# How long a starting worker waits for its decode steps to compile before it takes requests (the compile
+# then never shares the cores with a chat; a restart reads var/inductor and waits seconds). 0 takes
+# requests at once and compiles in the background, serving eagerly meanwhile.
+CEILING_COMPILE_WAIT_S = envfloat("CEILING_COMPILE_WAIT_S", 900.0, minimum=0.0)
 CEILING_COMPILE_BUCKETS = tuple(envint_item("CEILING_COMPILE_BUCKETS", item) for item in envlist("CEILING_COMPILE_BUCKETS", ["1", "2", "4", "8"]))
 if not CEILING_COMPILE_BUCKETS or min(CEILING_COMPILE_BUCKETS) < 1 or max(CEILING_COMPILE_BUCKETS) > 64:
     raise ImproperlyConfigured(f"CEILING_COMPILE_BUCKETS must be row counts from 1 to 64, not {CEILING_COMPILE_BUCKETS!r}")

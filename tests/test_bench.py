@@ -14,11 +14,13 @@ import pytest
 import torch
 from django.core.management import CommandError, call_command
 
+from budgets.models import Feature
 from inference.engine.bench.measure import MODE_KEYS, BenchError, RequestTiming, percentile, summarise
 from inference.engine.bench.peer import run_peer
 from inference.engine.bench.stub_peer import StubPeer
 from inference.engine.bench.workload import WorkloadSpec, mixed_workload
 from inference.engine.patches.attention import length_buckets, step_plan, varlen_attention
+from inference.management.commands.bench import peer_root
 
 
 def test_the_workload_is_fixed_by_its_seed_and_long_tailed():
@@ -269,7 +271,8 @@ def test_the_remote_mode_sends_one_burst_directly_and_through_the_stack(transact
     printed = io.StringIO()
     peer = StubPeer(first_byte_s=0.3, token_s=0.005).start()
     try:
-        call_command("bench", "--modes", "remote", "--peer", peer.url, "--requests", "3", "--max-output-tokens", "6",
+        # The /v1 base URL every OpenAI client takes, as a person would paste it.
+        call_command("bench", "--modes", "remote", "--peer", f"{peer.url}/v1/", "--requests", "3", "--max-output-tokens", "6",
                      "--json", str(out), "--html", str(page), stdout=printed)
     finally:
         peer.shutdown()
@@ -296,6 +299,9 @@ def test_the_remote_mode_sends_one_burst_directly_and_through_the_stack(transact
     assert "remote through the stack ÷ directly: TTFT p50" in text and "remote first byte" in text
     assert "remote through the stack, CPU per request: daphne" in text
     assert "remote TTFT p50 through the stack within 20% of direct" in text
+    # The bench's own features are switched off again: no chat page offers them, no worker is started for them.
+    assert "Switched off the bench's own feature(s) bench, bench-remote again" in text
+    assert not Feature.objects.filter(name__in=("bench", "bench-remote"), enabled=True).exists()
 
     # One warm-up and the burst each way; Ceiling forwarded each request as the workload asked for it.
     bodies = [received.body for received in peer.received]
@@ -303,6 +309,12 @@ def test_the_remote_mode_sends_one_burst_directly_and_through_the_stack(transact
     forwarded = [body for body in bodies if "ignore_eos" not in body]
     assert len(forwarded) == 4 and all(body["model"] == "stub-peer" and body["stream"] is True for body in forwarded)
     assert sorted(body["max_tokens"] for body in forwarded[1:]) == sorted(body["max_tokens"] for body in bodies[1:4])
+
+
+@pytest.mark.parametrize("given", ["http://127.0.0.1:8080", "http://127.0.0.1:8080/", "http://127.0.0.1:8080/v1",
+                                   "http://127.0.0.1:8080/v1/"])
+def test_the_peer_is_given_as_its_root_or_as_the_v1_base_url_openai_clients_take(given):
+    assert peer_root(given) == "http://127.0.0.1:8080"
 
 
 def test_a_peer_that_does_not_answer_is_a_sentence():

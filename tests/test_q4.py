@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from inference.engine import Engine
+from inference.engine.config import Sampling
 from inference.engine.patches.linears import skinny_linear_forward, use_skinny_linears
 from inference.engine.patches.quantization import (
     NEVER,
@@ -165,6 +166,15 @@ def test_the_real_model_serves_its_own_4_bit_codes_in_the_engine():
         handle = engine.submit("q4-capital", prompt, 12)
         tokens = [token for event in handle.events(timeout=120) for token in event.new_tokens]
         assert ROBUST_ANSWER in engine.tokenizer.decode(tokens)
+        # The demo features' default (greedy with a frequency penalty) runs on q4 too, and stays
+        # deterministic: the same question twice, the same answer (the answer caches depend on it).
+        penalised = Sampling(frequency_penalty=0.5)
+        answers = []
+        for attempt in range(2):
+            handle = engine.submit(f"q4-penalty-{attempt}", engine.encode_chat([{"role": "user", "content": "What is a KV cache?"}]),
+                                   48, sampling=penalised)
+            answers.append([token for event in handle.events(timeout=120) for token in event.new_tokens])
+        assert answers[0] == answers[1] and len(answers[0]) > 8
         stats = engine.stats()
         assert (stats.quantization, stats.weights_bytes) == (Q4, engine.weights_bytes)
     finally:

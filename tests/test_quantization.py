@@ -15,7 +15,7 @@ from budgets.models import AuditEntry, Feature
 from inference.actions import do_record_evaluation, switch_refusal
 from inference.engine import Engine
 from inference.engine.evaluate import compare, is_correct, load_prompts, score
-from inference.engine.patches.quantization import BF16, INT8, NONE, Q4, mode_of, weights_memory_bytes
+from inference.engine.patches.quantization import BF16, INT8, NONE, mode_of, weights_memory_bytes
 from inference.engines import engine_config_from_settings, model_dir, this_machine
 from inference.models import QuantizationEvaluation, QuantizationPolicy
 
@@ -144,10 +144,10 @@ def test_the_feature_page_offers_each_variant_with_its_own_evaluation(staff_clie
     _evaluation(chat_feature, baseline_correct=50, candidate_correct=50, tokens_per_s=(40.0, 60.0))
     page = staff_client.get(_page(chat_feature)).content.decode()
     assert 'id="evaluation-verdict-int8">passed' in page
-    assert "No q4 evaluation yet" in page and "evaluate_quantization --feature chat --mode q4" in page
-    assert "Serve with int8 weights" in page and "Serve with q4 weights" in page
-    response = staff_client.post(_page(chat_feature), {"form": "quantization", "quantization": Q4}, follow=True)
-    assert "Not switched: No q4 evaluation of chat has been run yet" in response.content.decode()
+    assert "No bf16 evaluation yet" in page and "evaluate_quantization --feature chat --mode bf16" in page
+    assert "Serve with int8 weights" in page and "Serve with bf16 weights" in page
+    response = staff_client.post(_page(chat_feature), {"form": "quantization", "quantization": BF16}, follow=True)
+    assert "Not switched: No bf16 evaluation of chat has been run yet" in response.content.decode()
     chat_feature.refresh_from_db()
     assert chat_feature.quantization == NONE
 

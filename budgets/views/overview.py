@@ -10,6 +10,7 @@ from django.shortcuts import render
 from django.utils import timezone
 
 from .. import charts
+from ..models import AuditEntry, Feature
 from ..money import format_usd
 from ..permissions import staff_required
 from ..tags import TAG_RULE, is_tag, normalise_tag
@@ -33,9 +34,22 @@ def overview(request: HttpRequest) -> HttpResponse:
         "cache": _cache_view(charts.cache_savings_this_month(now)),
         "retrieval": charts.retrieval_cache_this_month(now),
         "ttft": data["ttft"],
+        "weights": feature_weights(),
         "overview_data": data,
     }
     return render(request, "budgets/overview.html", context)
+
+
+def feature_weights() -> list[dict]:
+    """Each enabled feature's weights and their latest switch: who (a person, or the start-up's
+    adoption of the shipped verdict, which has no actor) and when, so a switch nobody clicked is seen."""
+    features = list(Feature.objects.filter(enabled=True).order_by("name"))
+    switches: dict[str, AuditEntry] = {}
+    entries = AuditEntry.objects.select_related("actor").filter(
+        field="quantization", target__in=[f"feature {f.name}" for f in features]).order_by("at")
+    for entry in entries:
+        switches[entry.target] = entry  # the latest wins
+    return [{"feature": f, "switch": switches.get(f"feature {f.name}")} for f in features]
 
 
 def _cache_view(savings: dict) -> dict:

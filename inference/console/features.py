@@ -30,6 +30,7 @@ from inference.actions import (
 )
 from inference.console.forms import DocumentUploadForm, ModelAliasesForm
 from inference.models import Document, QuantizationEvaluation
+from inference.variants import shipped_verdict_applies
 
 
 @staff_required
@@ -85,7 +86,8 @@ def _quantization_context(feature: Feature) -> dict:
             continue
         latest = QuantizationEvaluation.latest_for(feature, mode)  # one query per variant, read once
         candidates.append(
-            {"mode": mode, "label": label, "evaluation": latest, "switch_refusal": evaluation_refusal(feature, mode, latest)}
+            {"mode": mode, "label": label, "evaluation": latest, "switch_refusal": evaluation_refusal(feature, mode, latest),
+             "shipped": latest is None and shipped_verdict_applies(mode)}
         )
     return {"candidates": candidates}
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -113,6 +114,12 @@ class Engine:
         from transformers import AutoTokenizer
 
         torch.set_num_threads(self.config.torch_threads)
+        if self.config.compile_cache_dir is not None:
+            # Inductor reads its cache folder from the environment, and the first call that asks for
+            # it writes the system temp folder there if it is unset; loading the model already asks,
+            # so setting it when the compile starts (as before) was too late: var/inductor never
+            # filled and every restart compiled again. A folder the environment names still wins.
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.config.compile_cache_dir))
         started = time.monotonic()
         progress(f"Loading tokenizer from {self.config.model_dir}…")
         # The caller's thread (a worker's main thread) lives on: its torch work must not. The

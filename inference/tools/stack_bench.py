@@ -200,6 +200,17 @@ def ttft_parts(timings: list[RequestTiming], wall_minus_perf: float) -> dict:
     return parts
 
 
+def retire_bench_features() -> list[str]:
+    """Switch the bench's own features off after a run (each run switches them on again): left on, the
+    chat page offered them to every user, and runstack started a worker for their weights. Their
+    ledger rows stay, so they are not deleted."""
+    from budgets.models import Feature
+
+    names = sorted(Feature.objects.filter(name__in=(BENCH_FEATURE, REMOTE_FEATURE), enabled=True).values_list("name", flat=True))
+    Feature.objects.filter(name__in=names).update(enabled=False)
+    return names
+
+
 def prepare_bench_user(quantization: str) -> str:
     """The bench user (no caps) and feature (no caches); returns a session cookie for the user.
 

@@ -160,9 +160,12 @@ async def _answer(request_id: str, user: AbstractBaseUser, feature: Feature, fra
         yield refusal
         return
     max_tokens = min(frame.max_tokens, feature.max_output_tokens)
-    # A sampled or shaped answer is not the one a cache holds for these messages.
-    cacheable = feature.cache_ttl_s and frame.params.cacheable
-    key = caches.cache_key(feature, user, model_name(feature), max_tokens, frame.messages, frame.params.stored()) if cacheable else None
+    # A sampled or shaped answer is not the one a cache holds for these messages; the feature's own
+    # defaults are, while they decode greedily (a penalty keeps the answer deterministic). They are
+    # part of the key, so an answer stored under other defaults is not reused.
+    cacheable = feature.cache_ttl_s and frame.params.cacheable and feature.temperature == 0
+    key = caches.cache_key(feature, user, model_name(feature), max_tokens, frame.messages,
+                           {**feature.generation_defaults(), **frame.params.stored()}) if cacheable else None
     if key is not None and retrieved is not None:
         # An answer drawn from a staff document is never reused for someone who may not read it,
         # not even as a semantic near-match of a shared feature.
@@ -222,6 +225,16 @@ def admitted_events(decision: Decision, prompt_tokens: int) -> list[dict]:
     if decision.warning:
         events.append({"type": "notice", "code": "nearing_cap", "message": decision.warning})
     return events
+
+
+def worker_params(feature: Feature, frame: ChatFrame) -> dict:
+    """What the worker generates with (Transcript.params): the request's own values over the feature's
+    defaults. A JSON answer (extract mode, response_format) keeps the request's alone: a penalty on
+    repeated tokens would punish the quotes and braces every JSON object repeats."""
+    stored = frame.params.stored()
+    if frame.params.json_mode or feature.mode == Feature.Mode.EXTRACT:
+        return stored
+    return feature.generation_defaults() | stored
 
 
 def fallback_for(feature: Feature, frame: ChatFrame, prompt_tokens: int) -> Fallback | None:
@@ -482,7 +495,7 @@ def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, promp
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         loop=loop,
-        params=frame.params.stored(),
+        params=worker_params(feature, frame),
         end_user=frame.params.end_user,
         fallback=fallback,
         retrieved=facts,

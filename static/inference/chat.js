@@ -53,6 +53,8 @@
     option.textContent = name;
     featureSelect.appendChild(option);
   }
+  // The feature staff marked as default (else "chat"), never simply the alphabetically first.
+  if (config.default_feature) featureSelect.value = config.default_feature;
   // "Left today: 17 of 20 requests · 18,211 of 20,000 tokens · resets at 00:00 UTC, in 3 h 12 min"
   function showAllowance(allowance) {
     if (allowance === undefined) return; // a frame from a server that does not send it: keep the line

@@ -206,7 +206,7 @@ class DecodeCompiler:
     def _run(self) -> None:
         try:
             torch.set_num_threads(self.threads)
-            if self.cache_dir is not None:  # read by inductor when it first compiles
+            if self.cache_dir is not None:  # Engine.load sets it first; this serves a runner built without one
                 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.cache_dir))
             self._compile_and_choose()
         except Exception as exc:  # an inductor or compiler failure leaves the engine eager, and says why

@@ -42,7 +42,8 @@ class Command(DatabaseCommand):
         parser.add_argument("--modes", default=None,
                             help=f"comma-separated, of {', '.join(ALL_MODES)} (default: all but peer, plus peer with --peer)")
         parser.add_argument("--peer", metavar="URL",
-                            help="an OpenAI-compatible server (e.g. llama.cpp's llama-server) to replay the same workload "
+                            help="an OpenAI-compatible server (its root or its /v1 base URL, e.g. llama.cpp's llama-server "
+                                 "at http://127.0.0.1:8080/v1) to replay the same workload "
                                  "against as the peer mode, in the same run (docs/benchmarks.md says how to build one); "
                                  "the remote mode sends it the workload directly and through the stack")
         parser.add_argument("--threads", type=int, default=settings.CEILING_TORCH_THREADS)
@@ -70,6 +71,7 @@ class Command(DatabaseCommand):
                                  "median run by tokens/s (prefix runs once)")
 
     def handle(self, *args, **options) -> None:
+        options["peer"] = peer_root(options["peer"])
         modes = self._modes(options["modes"], options["peer"])
         spec = self._spec(options)
         html_path = self._html_path(options)
@@ -78,6 +80,9 @@ class Command(DatabaseCommand):
             result, details = self._run(spec, modes, options)
         except BenchError as exc:
             raise CommandError(str(exc)) from exc
+        finally:
+            if "stack" in modes or "remote" in modes:
+                self._retire_bench_features()
         self.stdout.write(report.table(result, details["extras"]))
         if options["repeat"] > 1:
             for mode, speeds in details["runs_tokens_per_s"].items():
@@ -217,6 +222,14 @@ class Command(DatabaseCommand):
         }
         return result, details
 
+    def _retire_bench_features(self) -> None:
+        from inference.tools.stack_bench import retire_bench_features
+
+        retired = retire_bench_features()
+        if retired:
+            self.stdout.write(f"Switched off the bench's own feature(s) {', '.join(retired)} again: no chat page "
+                              f"offers them and no worker is started for their weights (their ledger rows stay).")
+
     def _stack(self, requests, threads: int, engine_options: dict, stream_interval: int) -> dict:
         from inference.tools.stack_bench import run_stack
 
@@ -230,6 +243,15 @@ class Command(DatabaseCommand):
         direct, through = run_remote(peer, requests, threads=threads, engine_env=stack_env(engine_options, stream_interval),
                                      log_dir=Path(settings.VAR_DIR) / "bench", progress=self.stdout.write)
         return asdict(direct), asdict(through)
+
+
+def peer_root(url: str | None) -> str | None:
+    """The peer server's root, which the bench's clients append /v1/… to. Every OpenAI client takes
+    the `…/v1` base URL instead, so that is accepted too (with or without a trailing slash)."""
+    if not url:
+        return url
+    root = url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
 def stack_env(engine_options: dict, stream_interval: int) -> dict[str, str]:
