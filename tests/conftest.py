@@ -69,21 +69,21 @@ def stack_log_dir() -> Path:
 
 def stack_env(queue: str | None = None, **settings_env: str) -> dict[str, str]:
     """The environment of a test stack's processes (see start_stack)."""
-    env = stack.child_env(
-        DATABASE_URL=_test_database_url(),
-        REDIS_URL=settings.REDIS_URL,
+    env = stack.child_env(**{
+        "DATABASE_URL": _test_database_url(),
+        "REDIS_URL": settings.REDIS_URL,
         # Short enough that a broken test fails fast, long enough for a loaded 2-core machine.
-        CEILING_FIRST_TOKEN_TIMEOUT_S="60",
-        CEILING_ENGINE_FIRST_TOKEN_S="50",
-        CEILING_METRICS_TOKEN="test-metrics-token",
+        "CEILING_FIRST_TOKEN_TIMEOUT_S": "60",
+        "CEILING_ENGINE_FIRST_TOKEN_S": "50",
+        "CEILING_METRICS_TOKEN": "test-metrics-token",
         # Tests drive reconciliation and alert sending by hand; a worker's own sweep would race them.
-        CEILING_RECONCILE_EVERY_S="0",
+        "CEILING_RECONCILE_EVERY_S": "0",
         # Likewise a worker re-pricing local tokens in the middle of another test; tests/test_engine.py
         # drives the report by hand.
-        CEILING_THROUGHPUT_EVERY_S="0",
+        "CEILING_THROUGHPUT_EVERY_S": "0",
         **({"CEILING_INFERENCE_QUEUE": queue} if queue else {}),
-        **settings_env,
-    )
+        **settings_env,  # may replace any of the above (a stack on its own database, say)
+    })
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
     return env
 
