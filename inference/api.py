@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -79,7 +80,7 @@ def model_not_found(model: str) -> JsonResponse:
 
 def refusal_status(code: str) -> tuple[int, str]:
     """(HTTP status, OpenAI error type) of a refusal: caps and spend are 429, as OpenAI's are."""
-    if code == "max_input_tokens":
+    if code in ("max_input_tokens", CONTEXT_LENGTH_EXCEEDED):
         return 400, "invalid_request_error"  # the request itself is too long: waiting never helps
     if code == "feature_disabled":
         return 403, "permission_error"
@@ -90,14 +91,37 @@ def refusal_status(code: str) -> tuple[int, str]:
     return 429, "rate_limit_exceeded"
 
 
+# OpenAI's code for a prompt over the model's window: LangChain's overflow error and LiteLLM's
+# context-window fallbacks look for it (and for "maximum context length" in the message). The
+# ledger and the websocket keep the guard's own code, max_input_tokens.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# Beyond this a Retry-After is not worth a client's automatic retry (OpenAI's waits up to 120 s and
+# then gives up; one that waits a minute for a cap that resets at midnight only holds a connection).
+MAX_RETRY_AFTER_S = 60
+
+
+def openai_refusal(event: dict) -> tuple[str, str]:
+    """(code, message) of a refusal as OpenAI's clients read it: a too-long prompt in OpenAI's words."""
+    if event["code"] != "max_input_tokens" or event.get("limit") is None:
+        return event["code"], event["message"]
+    head = f"This model's maximum context length is {event['limit']} tokens."
+    if event.get("prompt_tokens"):
+        tail = f"However, your messages resulted in {event['prompt_tokens']} tokens. Please reduce the length of the messages."
+    else:  # refused by its size before it was tokenized: the guard's sentence has the bytes
+        tail = f"However, your messages are longer than that. {event['message']}"
+    # The code in the text too: openai>=2 clients put only the message in str(error), which is
+    # where LangChain looks for "context_length_exceeded".
+    return CONTEXT_LENGTH_EXCEEDED, f"{head} {tail} ({CONTEXT_LENGTH_EXCEEDED})"
+
+
 def refusal_response(event: dict) -> JsonResponse:
     status, kind = refusal_status(event["code"])
-    headers = {}
-    if event.get("retry_after_s"):
-        headers["Retry-After"] = str(event["retry_after_s"])
-    elif status == 429:
-        headers["x-should-retry"] = "false"  # tells OpenAI's clients that retrying will not help
-    return api_error(status, event["message"], type=kind, code=event["code"], headers=headers)
+    code, message = openai_refusal(event)
+    retry_after = event.get("retry_after_s")
+    headers = {"Retry-After": str(retry_after)} if retry_after else {}
+    if not retry_after or retry_after > MAX_RETRY_AFTER_S:
+        headers["x-should-retry"] = "false"  # tells OpenAI's clients that retrying soon will not help
+    return api_error(status, message, type=kind, code=code, headers=headers)
 
 
 def error_event(event: dict) -> tuple[int, dict]:
@@ -112,9 +136,40 @@ def error_event(event: dict) -> tuple[int, dict]:
     return status, error_body(event["message"], type="server_error", code=event["code"])
 
 
+# Errors that come back the same however often they are retried (and a retry of invalid_json pays
+# for the same answer again): OpenAI's clients would retry a 5xx twice by default.
+DETERMINISTIC_ERRORS = frozenset({"invalid_json"})
+
+
 def error_event_response(event: dict) -> JsonResponse:
     status, body = error_event(event)
-    return JsonResponse(body, status=status)
+    response = JsonResponse(body, status=status)
+    if event["code"] in DETERMINISTIC_ERRORS:
+        response["x-should-retry"] = "false"
+    return response
+
+
+# --- every /v1 answer -------------------------------------------------------------------------
+
+
+def with_request_id(view: View) -> View:
+    """Every /v1 answer carries x-request-id, refusals and errors included; a chat's is its ledger row's.
+
+    A 4xx other than 408/409/429 is the request's own fault, so retrying it cannot help: it says so
+    with x-should-retry: false, which OpenAI's clients obey (they retry 408, 409, 429 and 5xx).
+    """
+
+    @wraps(view)
+    async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+        request.request_id = uuid.uuid4().hex
+        response = await view(request, *args, **kwargs)
+        if "x-request-id" not in response:
+            response["x-request-id"] = request.request_id
+        if 400 <= response.status_code < 500 and response.status_code not in (408, 409, 429):
+            response.setdefault("x-should-retry", "false")
+        return response
+
+    return wrapper
 
 
 # --- authentication ----------------------------------------------------------------------------
@@ -162,6 +217,7 @@ class ChatRequest:
     model: str
     stream: bool
     feature_given: bool  # the body named its feature: that wins over the model's routing
+    include_usage: bool = False  # stream_options.include_usage: end the stream with a usage chunk
 
 
 def read_body(request: HttpRequest) -> bytes:
@@ -206,7 +262,22 @@ def parse_chat_request(body: bytes) -> ChatRequest:
     }
     frame = parse_chat({name: value for name, value in fields.items() if value is not None})
     frame = replace(frame, params=parse_params(data))
-    return ChatRequest(frame, model, stream, feature_given=data.get("feature") is not None)
+    return ChatRequest(frame, model, stream, feature_given=data.get("feature") is not None,
+                       include_usage=_include_usage(data.get("stream_options"), stream))
+
+
+def _include_usage(options: Any, stream: bool) -> bool:
+    """stream_options.include_usage, checked as OpenAI checks it."""
+    if options is None:
+        return False
+    if not stream:
+        raise ParamError("invalid_value", "The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
+    if not isinstance(options, dict):
+        raise ParamError("invalid_type", "Invalid type for 'stream_options': expected an object.", "stream_options")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise ParamError("invalid_type", "Invalid type for 'stream_options.include_usage': expected a boolean.", "stream_options.include_usage")
+    return include
 
 
 def _tags_field(data: dict):
@@ -291,6 +362,7 @@ def read_rate_limits(user, feature_name: str | None, api_key=None) -> dict[str, 
 
 
 @csrf_exempt
+@with_request_id
 @api_key_required
 @with_rate_limits
 async def chat_completions(request: HttpRequest) -> HttpResponse:
@@ -308,19 +380,18 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     request.rate_limit_feature = chat.frame.feature
     stream = chat.stream and not await is_extract(chat.frame.feature)
     # The key's own caps apply to this request as well as its user's (budgets/guard.py).
-    events = run_chat(request.api_key.user, replace(chat.frame, api_key=request.api_key))
+    events = run_chat(request.api_key.user, replace(chat.frame, api_key=request.api_key), request_id=request.request_id)
     first = await anext(events, INTERNAL_ERROR)
     if first["type"] != "accepted":
         await events.aclose()
         return refusal_response(first) if first["type"] == "refused" else error_event_response(first)
-    completion = Completion(first["request_id"], chat.model, logprobs=chat.frame.params.logprobs)
+    completion = Completion(first["request_id"], chat.model, logprobs=chat.frame.params.logprobs, include_usage=chat.include_usage)
     if stream:
         response = StreamingHttpResponse(stream_chunks(events, completion), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
         response["X-Accel-Buffering"] = "no"  # proxies must pass each chunk on at once
     else:
         response = await collect_completion(events, completion)
-    response["X-Request-Id"] = completion.request_id
     if "fallback" in first:
         # The guard served it with the feature's fallback: say who answered (docs/api.md).
         response["x-ceiling-fallback"] = first["fallback"]["feature"]
@@ -329,6 +400,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
 
 
 @csrf_exempt
+@with_request_id
 @api_key_required
 @with_rate_limits
 async def list_models(request: HttpRequest) -> HttpResponse:
@@ -356,16 +428,18 @@ def listed_models() -> list[dict]:
 class Completion:
     """The OpenAI objects of one answer; the id carries our request id, as in the TokenLog."""
 
-    def __init__(self, request_id: str, model: str, *, logprobs: bool = False) -> None:
+    def __init__(self, request_id: str, model: str, *, logprobs: bool = False, include_usage: bool = False) -> None:
         self.request_id = request_id
         self.id = f"chatcmpl-{request_id}"
         self.model = model
         self.created = int(time.time())
         self.logprobs = logprobs  # the client asked for them: each choice carries {"content": [...]}
+        self.include_usage = include_usage  # as OpenAI: every chunk has "usage": null, the last one after
 
     def chunk(self, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> dict:
         choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
-        return self._object("chat.completion.chunk", choices=[choice])
+        extra = {"usage": None} if self.include_usage else {}
+        return self._object("chat.completion.chunk", choices=[choice], **extra)
 
     def usage_chunk(self, done: dict) -> dict:
         return self._object("chat.completion.chunk", choices=[], usage=usage(done))
@@ -414,7 +488,8 @@ async def collect_completion(events: AsyncIterator[dict], completion: Completion
 
 
 async def stream_chunks(events: AsyncIterator[dict], completion: Completion) -> AsyncIterator[bytes]:
-    """Server-sent events as OpenAI streams them, with usage always included (include_usage).
+    """Server-sent events as OpenAI streams them; a last chunk with usage only when the client asked
+    (stream_options.include_usage): its empty `choices` breaks the common `chunk.choices[0]` loop.
 
     Daphne hands a client's disconnect to Django, which cancels or closes this generator; closing
     `events` then cancels the generation.
@@ -431,7 +506,8 @@ async def stream_chunks(events: AsyncIterator[dict], completion: Completion) -> 
                     calls = [{"index": index, **call} for index, call in enumerate(event["tool_calls"])]
                     yield sse(completion.chunk({"tool_calls": calls}))
                 yield sse(completion.chunk({}, finish_reason=event["finish_reason"]))
-                yield sse(completion.usage_chunk(event))
+                if completion.include_usage:
+                    yield sse(completion.usage_chunk(event))
                 yield b"data: [DONE]\n\n"
                 return
             elif event["type"] == "error":

@@ -105,6 +105,10 @@ def _schemas() -> dict:
                 "max_tokens": token_limit,
                 "max_completion_tokens": {**token_limit, "description": "the newer name of max_tokens; wins when both are sent"},
                 "stream": {"type": "boolean", "default": False},
+                "stream_options": {
+                    "type": "object", "properties": {"include_usage": {"type": "boolean"}},
+                    "description": "with stream true only (else 400): include_usage ends the stream with a usage chunk",
+                },
                 "feature": {"type": "string", "minLength": 1, "default": "chat", "description": "Ceiling's feature (budget) name"},
                 "loop_id": {"type": "string", "minLength": 1, "maxLength": 64, "description": "counts calls and spend against a loop budget"},
                 **_generation_params(),

@@ -73,7 +73,7 @@ def api(live_stack, alice, chat_feature):
 def is_guard_refusal(response: requests.Response) -> bool:
     if response.status_code in (403, 429):
         return True
-    return response.status_code == 400 and response.json()["error"]["code"] == "max_input_tokens"
+    return response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
 
 
 def call_and_check_the_ledger(case, base_url: str, session: requests.Session, checks: list) -> None:

@@ -71,9 +71,13 @@ DATABASE_UNAVAILABLE = {
 _abandoned: set[asyncio.Task] = set()
 
 
-async def run_chat(user: AbstractBaseUser, frame: ChatFrame) -> AsyncIterator[dict]:
-    """Admit one chat request and yield its events; an unexpected failure ends with an `internal` error."""
-    request_id = uuid.uuid4().hex
+async def run_chat(user: AbstractBaseUser, frame: ChatFrame, request_id: str | None = None) -> AsyncIterator[dict]:
+    """Admit one chat request and yield its events; an unexpected failure ends with an `internal` error.
+
+    request_id: the ledger row's id, when the caller has already named the request (the HTTP API
+    sends it in x-request-id, refusals and errors included); else a new one.
+    """
+    request_id = request_id or uuid.uuid4().hex
     try:
         async with aclosing(_admit_and_stream(request_id, user, frame)) as events:
             async for event in events:
@@ -257,7 +261,10 @@ async def _check_before_guard(
         refusal = input_too_long_by_count(len(prompt_ids), limit)
     if refusal is not None:
         await log_refusal(request_id, user, feature, "max_input_tokens", refusal, len(prompt_ids), frame.max_tokens, facts)
-        return prompt_ids, {"type": "refused", "code": "max_input_tokens", "message": refusal, "retry_after_s": None}
+        # The numbers too, so that the HTTP API can say it in OpenAI's words (context_length_exceeded);
+        # prompt_tokens is 0 when the size alone refused it, before tokenizing.
+        return prompt_ids, {"type": "refused", "code": "max_input_tokens", "message": refusal, "retry_after_s": None,
+                            "limit": limit, "prompt_tokens": len(prompt_ids)}
     return prompt_ids, None
 
 
