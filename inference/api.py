@@ -361,17 +361,42 @@ def read_rate_limits(user, feature_name: str | None, api_key=None) -> dict[str, 
     return rate_limit_headers(user, feature_name, api_key)
 
 
+def method_not_allowed(request: HttpRequest, allowed: str) -> JsonResponse:
+    message = f"Use {allowed} for {request.path}; {request.method} is not allowed there."
+    return api_error(405, message, type="invalid_request_error", code="method_not_allowed", headers={"Allow": allowed})
+
+
 @csrf_exempt
 @with_request_id
 @api_key_required
 @with_rate_limits
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     if request.method != "POST":
-        return api_error(405, "Use POST for /v1/chat/completions.", type="invalid_request_error", code="method_not_allowed")
+        return method_not_allowed(request, "POST")
     try:
         chat = parse_chat_request(read_body(request))
     except (FrameError, ParamError) as exc:
         return invalid_request(exc)
+    return await answer(request, chat, Completion)
+
+
+@csrf_exempt
+@with_request_id
+@api_key_required
+@with_rate_limits
+async def completions(request: HttpRequest) -> HttpResponse:
+    """The legacy POST /v1/completions: one prompt string, answered as the user's message of a chat."""
+    if request.method != "POST":
+        return method_not_allowed(request, "POST")
+    try:
+        chat = parse_chat_request(json.dumps(legacy_body(read_body(request))).encode())
+    except (FrameError, ParamError) as exc:
+        return invalid_request(exc)
+    return await answer(request, chat, TextCompletion)
+
+
+async def answer(request: HttpRequest, chat: ChatRequest, shape: type[Completion]) -> HttpResponse:
+    """Route, admit and answer one parsed request: the chat request's first event decides the status."""
     if not chat.feature_given:
         feature = await routed_feature(chat.model)
         if feature is None:
@@ -385,7 +410,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     if first["type"] != "accepted":
         await events.aclose()
         return refusal_response(first) if first["type"] == "refused" else error_event_response(first)
-    completion = Completion(first["request_id"], chat.model, logprobs=chat.frame.params.logprobs, include_usage=chat.include_usage)
+    completion = shape(first["request_id"], chat.model, logprobs=chat.frame.params.logprobs, include_usage=chat.include_usage)
     if stream:
         response = StreamingHttpResponse(stream_chunks(events, completion), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
@@ -399,14 +424,72 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     return response
 
 
+def legacy_body(body: bytes) -> dict:
+    """A /v1/completions body as the chat body it stands for: `prompt` becomes the user's message.
+
+    What a chat model cannot do with a bare prompt is refused with a sentence, not ignored.
+    """
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise FrameError("bad_json", "The request body is not valid JSON.") from None
+    if not isinstance(data, dict):
+        raise FrameError("bad_json", "The request body must be a JSON object.")
+    if "messages" in data:
+        raise ParamError("invalid_value", "/v1/completions takes a 'prompt'; send 'messages' to /v1/chat/completions.", "messages")
+    if data.get("suffix") is not None:
+        raise ParamError("unsupported_value", "Ceiling's models answer after a prompt and cannot fill in before a "
+                         "'suffix'; leave 'suffix' out.", "suffix")
+    if data.get("echo"):
+        raise ParamError("unsupported_value", "Ceiling does not echo the prompt back; send 'echo': false or leave it out.", "echo")
+    if data.get("logprobs") is not None:
+        raise ParamError("unsupported_value", "The legacy 'logprobs' is not supported here; use /v1/chat/completions with "
+                         "'logprobs': true and 'top_logprobs'.", "logprobs")
+    if data.get("best_of") not in (None, 1):
+        raise ParamError("unsupported_value", "Ceiling answers with one completion per request, so 'best_of' must be 1.", "best_of")
+    fields = {name: value for name, value in data.items() if name not in ("prompt", "suffix", "echo", "best_of", "logprobs")}
+    return fields | {"messages": [{"role": "user", "content": legacy_prompt(data.get("prompt"))}]}
+
+
+def legacy_prompt(prompt: Any) -> str:
+    """One prompt string: a string, or a list of one string (the client's batch of one)."""
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        raise ParamError("unsupported_value", "Ceiling answers one prompt per request; send 'prompt' as one string.", "prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ParamError("invalid_value", "'prompt' must be a string with some text in it.", "prompt")
+    return prompt
+
+
 @csrf_exempt
 @with_request_id
 @api_key_required
 @with_rate_limits
 async def list_models(request: HttpRequest) -> HttpResponse:
     if request.method != "GET":
-        return api_error(405, "Use GET for /v1/models.", type="invalid_request_error", code="method_not_allowed")
+        return method_not_allowed(request, "GET")
     return JsonResponse({"object": "list", "data": await listed_models()})
+
+
+@csrf_exempt
+@with_request_id
+@api_key_required
+@with_rate_limits
+async def retrieve_model(request: HttpRequest, model: str) -> HttpResponse:
+    """GET /v1/models/{id}: one entry of the list (the client's models.retrieve), else a 404 model_not_found."""
+    if request.method != "GET":
+        return method_not_allowed(request, "GET")
+    found = next((entry for entry in await listed_models() if entry["id"] == model), None)
+    return JsonResponse(found) if found is not None else model_not_found(model)
+
+
+@csrf_exempt
+@with_request_id
+async def not_found(request: HttpRequest, rest: str = "") -> HttpResponse:
+    """Any other /v1 path: OpenAI's JSON 404, never Django's HTML page (clients parse the body)."""
+    message = f"Invalid URL ({request.method} {request.path}): Ceiling's API has no such endpoint; GET /v1/openapi.json lists them."
+    return api_error(404, message, type="invalid_request_error", code="unknown_url")
 
 
 @database_sync_to_async
@@ -459,6 +542,26 @@ class Completion:
 
     def _object(self, kind: str, **fields) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, **fields}
+
+
+class TextCompletion(Completion):
+    """The legacy text_completion objects of /v1/completions: `text` where a chat has a message."""
+
+    def __init__(self, request_id: str, model: str, **options) -> None:
+        super().__init__(request_id, model, **options)
+        self.id = f"cmpl-{request_id}"
+
+    def chunk(self, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> dict:
+        choice = {"text": delta.get("content") or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        extra = {"usage": None} if self.include_usage else {}
+        return self._object("text_completion", choices=[choice], **extra)
+
+    def usage_chunk(self, done: dict) -> dict:
+        return self._object("text_completion", choices=[], usage=usage(done))
+
+    def whole(self, text: str, done: dict, logprobs: list | None = None) -> dict:
+        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": done["finish_reason"]}
+        return self._object("text_completion", choices=[choice], usage=usage(done))
 
 
 def usage(done: dict) -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.http import HttpRequest, JsonResponse
-from django.views.decorators.http import require_GET
 
 JSON = "application/json"
 
@@ -28,7 +27,9 @@ def openapi_document() -> dict:
         "security": [{"apiKey": []}],
         "paths": {
             "/v1/chat/completions": {"post": _chat_completions()},
+            "/v1/completions": {"post": _completions()},
             "/v1/models": {"get": _models()},
+            "/v1/models/{model}": {"get": _model()},
         },
         "components": {
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer", "description": "a key from /accounts/keys/ (ck_…)"}},
@@ -63,6 +64,38 @@ def _chat_completions() -> dict:
             "503": {"$ref": "#/components/responses/Unavailable"},
         },
     }
+
+
+def _completions() -> dict:
+    return {
+        "operationId": "createCompletion",
+        "description": "The legacy endpoint: 'prompt' (a string, or a list of one) is answered as the user's message of a "
+        "chat, with the same fields, guard and ledger as /v1/chat/completions; 'suffix', 'echo' true, 'logprobs' and "
+        "'best_of' above 1 are a 400 that says why.",
+        "requestBody": {"required": True, "content": {JSON: {"schema": {"type": "object", "required": ["prompt"]}}}},
+        "responses": {
+            "200": {"description": "a text_completion, whole or as server-sent events",
+                    "content": {JSON: {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}}},
+            **{status: {"$ref": f"#/components/responses/{name}"} for status, name in ERROR_RESPONSES},
+        },
+    }
+
+
+def _model() -> dict:
+    return {
+        "operationId": "retrieveModel",
+        "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+        "responses": {
+            "200": {"description": "one entry of GET /v1/models", "content": {JSON: {"schema": {"type": "object"}}}},
+            "401": {"$ref": "#/components/responses/Unauthorized"},
+            "404": {"$ref": "#/components/responses/ModelNotFound"},
+        },
+    }
+
+
+ERROR_RESPONSES = (("400", "BadRequest"), ("401", "Unauthorized"), ("403", "FeatureDisabled"), ("404", "ModelNotFound"),
+                   ("405", "MethodNotAllowed"), ("413", "TooLarge"), ("429", "Refused"), ("502", "BadModelOutput"),
+                   ("503", "Unavailable"))
 
 
 def _models() -> dict:
@@ -283,6 +316,8 @@ def _generation_params() -> dict:
     }
 
 
-@require_GET
-def openapi_json(request: HttpRequest) -> JsonResponse:
+async def openapi_json(request: HttpRequest) -> JsonResponse:
+    if request.method not in ("GET", "HEAD"):
+        error = {"message": f"Use GET for {request.path}.", "type": "invalid_request_error", "param": None, "code": "method_not_allowed"}
+        return JsonResponse({"error": error}, status=405, headers={"Allow": "GET"})
     return JsonResponse(openapi_document())

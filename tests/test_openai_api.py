@@ -409,3 +409,83 @@ def test_a_client_that_leaves_while_the_guard_decides_holds_nothing(live_stack, 
     assert log.status == TokenLog.Status.CANCELLED and log.admitted
     assert log.completion_tokens == 0 and log.counter_keys
     wait_for(lambda: TokenLog.objects.get(pk=log.pk).counters_settled, timeout=5)
+
+
+# --- the other endpoints clients call --------------------------------------------------------------
+
+
+def test_a_model_is_retrieved_by_its_id(live_stack, alice_key, chat_feature):
+    client = client_for(live_stack, alice_key)
+    model = client.models.retrieve(settings.CEILING_MODEL_NAME)
+    assert (model.id, model.object, model.owned_by) == (settings.CEILING_MODEL_NAME, "model", "ceiling")
+
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.code == "model_not_found" and missing.value.response.headers["x-request-id"]
+
+
+def call(live_stack, method: str, path: str, key: str | None) -> tuple[int, Message, bytes]:
+    request = urllib.request.Request(f"{live_stack.http_url}{path}", method=method, data=b"{}" if method == "POST" else None,
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, error.read()
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "code"),
+    [
+        ("GET", "/v1/no-such-thing", 404, "unknown_url"),
+        ("POST", "/v1/assistants", 404, "unknown_url"),
+        ("GET", "/v1", 404, "unknown_url"),
+        ("GET", "/v1/chat/completions/", 404, "unknown_url"),
+        ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
+        ("DELETE", "/v1/models", 405, "method_not_allowed"),
+        ("POST", f"/v1/models/{MODEL}", 405, "method_not_allowed"),
+        ("GET", "/v1/completions", 405, "method_not_allowed"),
+        ("POST", "/v1/openapi.json", 405, "method_not_allowed"),
+    ],
+)
+def test_other_paths_and_methods_are_json_errors(live_stack, alice_key, method, path, status, code):
+    answered, headers, raw = call(live_stack, method, path, alice_key)
+    assert answered == status and headers["Content-Type"] == "application/json"
+    error = json.loads(raw)["error"]
+    assert error["code"] == code and error["type"] == "invalid_request_error" and error["message"]
+    assert headers["x-request-id"] and headers["x-should-retry"] == "false"
+    if status == 405:
+        assert headers["Allow"] in ("GET", "POST")
+
+
+def test_a_legacy_completion_goes_through_the_same_guard_and_ledger(live_stack, alice, alice_key, chat_feature):
+    client = client_for(live_stack, alice_key)
+    completion = client.completions.create(model=MODEL, prompt="What is the capital of France?", max_tokens=24)
+
+    assert completion.object == "text_completion" and completion.id.startswith("cmpl-")
+    log = TokenLog.objects.get(request_id=completion.id.removeprefix("cmpl-"))
+    assert log.status == TokenLog.Status.OK and log.user == alice and "Paris" in completion.choices[0].text
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (log.prompt_tokens, log.completion_tokens)
+    assert completion.choices[0].finish_reason == log.finish_reason
+
+    chunks = list(client.completions.create(model=MODEL, prompt=["Name a colour."], max_tokens=8, stream=True))
+    assert "".join(c.choices[0].text for c in chunks).strip() and chunks[-1].choices[0].finish_reason
+    assert TokenLog.objects.filter(status=TokenLog.Status.OK).count() == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "Once upon", "suffix": "the end."}, "suffix"),
+        ({"prompt": "Once upon", "echo": True}, "echo"),
+        ({"prompt": "Once upon", "logprobs": 2}, "logprobs"),
+        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": " "}, "prompt"),
+        ({"messages": ask("hi")}, "messages"),
+    ],
+)
+def test_a_legacy_completion_refuses_what_it_cannot_do_with_a_sentence(live_stack, alice_key, chat_feature, body, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client_for(live_stack, alice_key).post("/completions", body=body, cast_to=object)
+    assert refused.value.param == param and len(refused.value.body["message"]) > 20
+    assert not TokenLog.objects.exists()
