@@ -1,11 +1,13 @@
 from django.urls import path, re_path
 from django.views.decorators.csrf import csrf_exempt
 
-from . import api, openapi, views
+from . import api, health, openapi, views
 from .console import batches, features
 
 urlpatterns = [
     path("chat/", views.chat, name="chat"),
+    path("healthz", health.healthz, name="healthz"),
+    path("readyz", health.readyz, name="readyz"),
     path("chat/requests/<str:request_id>/", views.request_transcript, name="chat-request"),
     path("v1/chat/completions", api.chat_completions, name="api-chat-completions"),
     path("v1/completions", api.completions, name="api-completions"),
