@@ -437,6 +437,9 @@ CEILING_LOOP_MAX_COST_MICRO_USD = envint("CEILING_LOOP_MAX_COST_MICRO_USD", 1_00
 # --- Metrics ----------------------------------------------------------------------------------
 # GET /metrics wants `Authorization: Bearer <this>`; empty (the default) switches the endpoint off (404).
 CEILING_METRICS_TOKEN = envstr("CEILING_METRICS_TOKEN", "")
+# ceiling_spend_usd names this many users, teams and API keys by spend (per period); the rest add up
+# to one "other" series, so a scrape's size does not grow with the user base.
+CEILING_METRICS_TOP_N = envint("CEILING_METRICS_TOP_N", 10, minimum=1)
 
 # --- Email (spend alerts) ------------------------------------------------------------------------
 EMAIL_BACKEND = envstr("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
