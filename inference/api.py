@@ -28,6 +28,7 @@ from django.views.decorators.csrf import csrf_exempt
 from accounts.actions import do_touch_api_key
 from accounts.models import ApiKey
 from budgets.models import Feature
+from project.logs import request_context
 
 from .models import ModelAlias
 from .web.chat_request import INTERNAL_ERROR, run_chat
@@ -162,7 +163,8 @@ def with_request_id(view: View) -> View:
     @wraps(view)
     async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
         request.request_id = uuid.uuid4().hex
-        response = await view(request, *args, **kwargs)
+        with request_context(request.request_id):
+            response = await view(request, *args, **kwargs)
         if "x-request-id" not in response:
             response["x-request-id"] = request.request_id
         if 400 <= response.status_code < 500 and response.status_code not in (408, 409, 429):

@@ -454,11 +454,22 @@ DEFAULT_FROM_EMAIL = envstr("DEFAULT_FROM_EMAIL", "ceiling@localhost")
 # Who hears about a provider's spend when the provider names no alert recipients.
 CEILING_ALERT_FALLBACK_EMAILS = envlist("CEILING_ALERT_FALLBACK_EMAILS", [])
 
+# plain: the readable line; json: one JSON object per line for a log pipeline (project/logs.py). Both
+# carry the ledger's request id of the chat being served, so one chat can be followed from the web
+# process to the worker and its settle.
+CEILING_LOG_FORMAT = envstr("CEILING_LOG_FORMAT", "plain").strip().lower()
+if CEILING_LOG_FORMAT not in ("plain", "json"):
+    raise ImproperlyConfigured(f"CEILING_LOG_FORMAT={CEILING_LOG_FORMAT!r} must be plain or json")
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "filters": {"request_id": {"()": "project.logs.RequestIdFilter"}},
+    "formatters": {
+        "plain": {"()": "project.logs.PlainFormatter"},
+        "json": {"()": "project.logs.JsonFormatter"},
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": CEILING_LOG_FORMAT, "filters": ["request_id"]}},
     "root": {"handlers": ["console"], "level": envstr("LOG_LEVEL", "INFO")},
     "loggers": {"daphne": {"level": "WARNING"}, "django.channels.server": {"level": "WARNING"}},
 }

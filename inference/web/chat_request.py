@@ -57,10 +57,12 @@ from inference.models import Transcript
 from inference.web import caches, modes
 from inference.web.frames import ChatFrame
 from inference.web.tokenizer import chat_prompt_ids, input_too_long_by_count, input_too_long_by_size, model_name
+from project.logs import request_id_var
 
 log = logging.getLogger(__name__)
 
 TERMINAL = frozenset({"done", "refused", "error"})
+LOGGED_EVENTS = TERMINAL | {"accepted"}  # one line each in the web process's log
 INTERNAL_ERROR = {"type": "error", "code": "internal", "message": "Something went wrong on our side; please try again."}
 DATABASE_UNAVAILABLE = {
     "type": "error", "code": "database_unavailable",
@@ -78,10 +80,17 @@ async def run_chat(user: AbstractBaseUser, frame: ChatFrame, request_id: str | N
     sends it in x-request-id, refusals and errors included); else a new one.
     """
     request_id = request_id or uuid.uuid4().hex
+    # Every line logged about this request names it (project/logs.py), in this task and in the
+    # threads its sync_to_async calls run in. Set again after each event: the caller's context is
+    # the one in force between two of them (a streamed HTTP answer is iterated after its view returned).
+    request_id_var.set(request_id)
     try:
         async with aclosing(_admit_and_stream(request_id, user, frame)) as events:
             async for event in events:
+                if event["type"] in LOGGED_EVENTS:
+                    log.info("chat %s%s", event["type"], f" ({event['code']})" if event.get("code") else "")
                 yield event
+                request_id_var.set(request_id)
     except DatabaseError as exc:
         # Before admission nothing was written; a row admitted just before the outage is settled
         # by the worker (it retries its ledger write) or, failing that, by reconciliation.
