@@ -11,6 +11,7 @@ feature (inference/web/modes.py) always answers collected: its content is the JS
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,6 +20,7 @@ from dataclasses import dataclass, replace
 from functools import partial, wraps
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
@@ -31,12 +33,14 @@ from budgets.models import Feature
 from project.logs import request_context
 
 from .models import ModelAlias
-from .web.chat_request import INTERNAL_ERROR, run_chat
+from .web import embeddings as embeddings_lib
+from .web.chat_request import INTERNAL_ERROR, get_feature, run_chat
 from .web.frames import DEFAULT_FEATURE, ChatFrame, FrameError, parse_chat
 from .web.params import ParamError, parse_params
 from .web.ratelimits import rate_limit_headers
 
 View = Callable[..., Awaitable[HttpResponse]]
+log = logging.getLogger(__name__)
 
 # Which request field a validation error is about, for the error body's "param".
 PARAMS = {
@@ -103,8 +107,10 @@ MAX_RETRY_AFTER_S = 60
 
 def openai_refusal(event: dict) -> tuple[str, str]:
     """(code, message) of a refusal as OpenAI's clients read it: a too-long prompt in OpenAI's words."""
-    if event["code"] != "max_input_tokens" or event.get("limit") is None:
+    if event["code"] != "max_input_tokens":
         return event["code"], event["message"]
+    if event.get("limit") is None:  # already in OpenAI's words (the embeddings' refusal)
+        return CONTEXT_LENGTH_EXCEEDED, event["message"]
     head = f"This model's maximum context length is {event['limit']} tokens."
     if event.get("prompt_tokens"):
         tail = f"However, your messages resulted in {event['prompt_tokens']} tokens. Please reduce the length of the messages."
@@ -468,6 +474,60 @@ def legacy_prompt(prompt: Any) -> str:
 @with_request_id
 @api_key_required
 @with_rate_limits
+async def embeddings(request: HttpRequest) -> HttpResponse:
+    """POST /v1/embeddings: counted, capped, logged and priced as a chat is (inference/web/embeddings.py)."""
+    if request.method != "POST":
+        return method_not_allowed(request, "POST")
+    try:
+        asked = embeddings_lib.parse_embedding_request(read_body(request))
+    except (FrameError, ParamError) as exc:
+        return invalid_request(exc)
+    if asked.model not in embeddings_lib.MODEL_NAMES:
+        return model_not_found(asked.model)
+    feature = await get_feature(asked.feature)
+    if feature is None:
+        return api_error(400, f"There is no feature named {asked.feature!r}.", type="invalid_request_error",
+                         code="unknown_feature", param="feature")
+    request.rate_limit_feature = feature.name
+    user, request_id = request.api_key.user, request.request_id
+    ids = await off_thread(embeddings_lib.token_ids)(asked.inputs)
+    tokens = sum(len(one) for one in ids)
+    refusal = _embedding_refusal(feature, ids)
+    if refusal is not None:
+        code, message = refusal
+        await database_sync_to_async(embeddings_lib.log_refusal)(request_id, user, feature, code, message, tokens)
+        return refusal_response({"type": "refused", "code": code, "message": message, "retry_after_s": None})
+    decision = await database_sync_to_async(embeddings_lib.admit, thread_sensitive=False)(
+        request_id, user, request.api_key, feature, asked, ids)
+    if not decision.admitted:
+        return refusal_response({"type": "refused", "code": decision.code, "message": decision.message,
+                                 "retry_after_s": decision.retry_after_s})
+    try:
+        vectors = await off_thread(embeddings_lib.embed_and_settle)(request_id, asked.inputs, tokens)
+    except Exception:  # noqa: BLE001 - settled failed already; the caller hears it in OpenAI's shape
+        log.exception("embeddings %s failed", request_id)
+        return error_event_response({"type": "error", "code": "engine_failed",
+                                     "message": "The embedding model failed on this request; it is logged, please try again."})
+    return JsonResponse(embeddings_lib.response_body(asked, vectors, tokens))
+
+
+def _embedding_refusal(feature: Feature, ids: list[list[int]]) -> tuple[str, str] | None:
+    """(code, message) decided before the guard: a switched-off feature, an input over the model's length."""
+    if not feature.enabled:
+        return "feature_disabled", f"The feature {feature.name!r} is switched off by the operators."
+    message = embeddings_lib.too_long(ids)
+    return ("max_input_tokens", message) if message else None  # the ledger's code, as for a chat
+
+
+def off_thread(function):
+    # The tokenizer and the model release the GIL in their native code: other requests keep moving.
+    return sync_to_async(function, thread_sensitive=False)
+
+
+@csrf_exempt
+@with_request_id
+@api_key_required
+@with_rate_limits
 async def list_models(request: HttpRequest) -> HttpResponse:
     if request.method != "GET":
         return method_not_allowed(request, "GET")
@@ -496,7 +556,8 @@ async def not_found(request: HttpRequest, rest: str = "") -> HttpResponse:
 
 @database_sync_to_async
 def listed_models() -> list[dict]:
-    """The served model (the default feature), then one entry per alias of a feature an API caller can use."""
+    """The served model (the default feature), one entry per alias of a feature an API caller can use,
+    then the embedding model (POST /v1/embeddings; on the default feature unless the body names one)."""
     def entry(name: str, feature: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "ceiling", "feature": feature}
 
@@ -504,7 +565,8 @@ def listed_models() -> list[dict]:
         ModelAlias.objects.filter(feature__enabled=True).exclude(feature__mode=Feature.Mode.BATCH)
         .order_by("name").values_list("name", "feature__name")
     )
-    return [entry(settings.CEILING_MODEL_NAME, DEFAULT_FEATURE), *(entry(name, feature) for name, feature in aliases)]
+    served = [entry(settings.CEILING_MODEL_NAME, DEFAULT_FEATURE), *(entry(name, feature) for name, feature in aliases)]
+    return [*served, entry(embeddings_lib.EMBEDDING_MODEL, DEFAULT_FEATURE)]  # POST /v1/embeddings only
 
 
 # --- responses ---------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ def openapi_document() -> dict:
         "paths": {
             "/v1/chat/completions": {"post": _chat_completions()},
             "/v1/completions": {"post": _completions()},
+            "/v1/embeddings": {"post": _embeddings()},
             "/v1/models": {"get": _models()},
             "/v1/models/{model}": {"get": _model()},
         },
@@ -77,6 +78,19 @@ def _completions() -> dict:
             "200": {"description": "a text_completion, whole or as server-sent events",
                     "content": {JSON: {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}}},
             **{status: {"$ref": f"#/components/responses/{name}"} for status, name in ERROR_RESPONSES},
+        },
+    }
+
+
+def _embeddings() -> dict:
+    return {
+        "operationId": "createEmbedding",
+        "description": "all-MiniLM-L6-v2 (384 dimensions, 256 tokens per input): 'input' a string or up to 256 strings, "
+        "'encoding_format' float or base64; counted, capped, logged and priced as a chat on 'feature' (default chat).",
+        "requestBody": {"required": True, "content": {JSON: {"schema": {"type": "object", "required": ["model", "input"]}}}},
+        "responses": {
+            "200": {"description": "OpenAI's list of embeddings with usage", "content": {JSON: {"schema": {"type": "object"}}}},
+            **{status: {"$ref": f"#/components/responses/{name}"} for status, name in ERROR_RESPONSES if status != "502"},
         },
     }
 

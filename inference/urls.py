@@ -11,6 +11,7 @@ urlpatterns = [
     path("chat/requests/<str:request_id>/", views.request_transcript, name="chat-request"),
     path("v1/chat/completions", api.chat_completions, name="api-chat-completions"),
     path("v1/completions", api.completions, name="api-completions"),
+    path("v1/embeddings", api.embeddings, name="api-embeddings"),
     path("v1/models", api.list_models, name="api-models"),
     path("v1/models/<path:model>", api.retrieve_model, name="api-model"),
     path("v1/openapi.json", csrf_exempt(api.with_request_id(openapi.openapi_json)), name="api-openapi"),

@@ -36,7 +36,7 @@ LOGGED_IN = {
     r"^usage/$",
     r"^usage/keys/<int:key_id>/caps/$",  # the key's owner (or staff); anyone else gets a 404
 }
-API_KEY = {r"^v1/chat/completions$", r"^v1/completions$", r"^v1/models$", r"^v1/models/<path:model>$"}
+API_KEY = {r"^v1/chat/completions$", r"^v1/completions$", r"^v1/embeddings$", r"^v1/models$", r"^v1/models/<path:model>$"}
 METRICS_TOKEN = {r"^metrics$"}
 STAFF = {r"^staff/"}
 ADMIN = {r"^admin/"}  # Django's admin: its own login, staff (and permissions) only

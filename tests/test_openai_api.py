@@ -142,7 +142,8 @@ def test_stream_options_need_a_stream(live_stack, alice_key, chat_feature):
 
 def test_the_models_list_names_the_served_model(live_stack, alice_key):
     models = list(client_for(live_stack, alice_key).models.list())
-    assert [(m.id, m.object, m.owned_by) for m in models] == [(settings.CEILING_MODEL_NAME, "model", "ceiling")]
+    assert [(m.id, m.object, m.owned_by) for m in models] == [
+        (settings.CEILING_MODEL_NAME, "model", "ceiling"), ("all-MiniLM-L6-v2", "model", "ceiling")]
 
 
 def test_a_too_long_prompt_is_context_length_exceeded_in_openai_words(live_stack, alice_key, chat_feature):
