@@ -210,6 +210,29 @@ MIDDLEWARE = [
     "axes.middleware.AxesMiddleware",
 ]
 
+# --- CORS for /v1 (django-cors-headers), off unless origins are named ----------------------------
+# A browser app on another origin may call the API with its key (Bearer, never cookies). Off by
+# default: nothing is installed, a preflight gets the API's 401 as before.
+CEILING_CORS_ORIGINS = envlist("CEILING_CORS_ORIGINS", [])
+for _origin in CEILING_CORS_ORIGINS:
+    if urlparse(_origin).scheme not in ("http", "https") or not urlparse(_origin).netloc or urlparse(_origin).path not in ("", "/"):
+        raise ImproperlyConfigured(f"CEILING_CORS_ORIGINS: {_origin!r} is not an origin such as https://app.example")
+if CEILING_CORS_ORIGINS:
+    from corsheaders.defaults import default_headers
+
+    INSTALLED_APPS.append("corsheaders")
+    MIDDLEWARE.insert(1, "corsheaders.middleware.CorsMiddleware")  # before CommonMiddleware, as it asks
+    CORS_ALLOWED_ORIGINS = CEILING_CORS_ORIGINS
+    CORS_URLS_REGEX = r"^/v1/"
+    CORS_ALLOW_CREDENTIALS = False
+    # What OpenAI's JavaScript client sends beside the usual ones, so its preflight passes.
+    CORS_ALLOW_HEADERS = (*default_headers, "openai-organization", "openai-project", "openai-beta", "x-stainless-arch",
+                          "x-stainless-lang", "x-stainless-os", "x-stainless-package-version", "x-stainless-retry-count",
+                          "x-stainless-runtime", "x-stainless-runtime-version", "x-stainless-timeout", "x-stainless-async",
+                          "x-stainless-helper-method")
+    CORS_EXPOSE_HEADERS = ["x-request-id", "x-should-retry", "retry-after", "x-ceiling-fallback", "x-ceiling-fallback-model",
+                           *(f"x-ratelimit-{what}-{metric}" for what in ("limit", "remaining", "reset") for metric in ("requests", "tokens"))]
+
 ROOT_URLCONF = "project.urls"
 ASGI_APPLICATION = "project.asgi.application"
 WSGI_APPLICATION = None
