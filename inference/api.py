@@ -11,13 +11,16 @@ feature (inference/web/modes.py) always answers collected: its content is the JS
 from __future__ import annotations
 
 import json
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from functools import partial, wraps
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
@@ -27,14 +30,17 @@ from django.views.decorators.csrf import csrf_exempt
 from accounts.actions import do_touch_api_key
 from accounts.models import ApiKey
 from budgets.models import Feature
+from project.logs import request_context
 
 from .models import ModelAlias
-from .web.chat_request import INTERNAL_ERROR, run_chat
+from .web import embeddings as embeddings_lib
+from .web.chat_request import INTERNAL_ERROR, get_feature, run_chat
 from .web.frames import DEFAULT_FEATURE, ChatFrame, FrameError, loads_limited, parse_chat
 from .web.params import ParamError, parse_params
 from .web.ratelimits import rate_limit_headers
 
 View = Callable[..., Awaitable[HttpResponse]]
+log = logging.getLogger(__name__)
 
 # Which request field a validation error is about, for the error body's "param".
 PARAMS = {
@@ -79,7 +85,7 @@ def model_not_found(model: str) -> JsonResponse:
 
 def refusal_status(code: str) -> tuple[int, str]:
     """(HTTP status, OpenAI error type) of a refusal: caps and spend are 429, as OpenAI's are."""
-    if code == "max_input_tokens":
+    if code in ("max_input_tokens", CONTEXT_LENGTH_EXCEEDED):
         return 400, "invalid_request_error"  # the request itself is too long: waiting never helps
     if code == "feature_disabled":
         return 403, "permission_error"
@@ -90,14 +96,39 @@ def refusal_status(code: str) -> tuple[int, str]:
     return 429, "rate_limit_exceeded"
 
 
+# OpenAI's code for a prompt over the model's window: LangChain's overflow error and LiteLLM's
+# context-window fallbacks look for it (and for "maximum context length" in the message). The
+# ledger and the websocket keep the guard's own code, max_input_tokens.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# Beyond this a Retry-After is not worth a client's automatic retry (OpenAI's waits up to 120 s and
+# then gives up; one that waits a minute for a cap that resets at midnight only holds a connection).
+MAX_RETRY_AFTER_S = 60
+
+
+def openai_refusal(event: dict) -> tuple[str, str]:
+    """(code, message) of a refusal as OpenAI's clients read it: a too-long prompt in OpenAI's words."""
+    if event["code"] != "max_input_tokens":
+        return event["code"], event["message"]
+    if event.get("limit") is None:  # already in OpenAI's words (the embeddings' refusal)
+        return CONTEXT_LENGTH_EXCEEDED, event["message"]
+    head = f"This model's maximum context length is {event['limit']} tokens."
+    if event.get("prompt_tokens"):
+        tail = f"However, your messages resulted in {event['prompt_tokens']} tokens. Please reduce the length of the messages."
+    else:  # refused by its size before it was tokenized: the guard's sentence has the bytes
+        tail = f"However, your messages are longer than that. {event['message']}"
+    # The code in the text too: openai>=2 clients put only the message in str(error), which is
+    # where LangChain looks for "context_length_exceeded".
+    return CONTEXT_LENGTH_EXCEEDED, f"{head} {tail} ({CONTEXT_LENGTH_EXCEEDED})"
+
+
 def refusal_response(event: dict) -> JsonResponse:
     status, kind = refusal_status(event["code"])
-    headers = {}
-    if event.get("retry_after_s"):
-        headers["Retry-After"] = str(event["retry_after_s"])
-    elif status == 429:
-        headers["x-should-retry"] = "false"  # tells OpenAI's clients that retrying will not help
-    return api_error(status, event["message"], type=kind, code=event["code"], headers=headers)
+    code, message = openai_refusal(event)
+    retry_after = event.get("retry_after_s")
+    headers = {"Retry-After": str(retry_after)} if retry_after else {}
+    if not retry_after or retry_after > MAX_RETRY_AFTER_S:
+        headers["x-should-retry"] = "false"  # tells OpenAI's clients that retrying soon will not help
+    return api_error(status, message, type=kind, code=code, headers=headers)
 
 
 def error_event(event: dict) -> tuple[int, dict]:
@@ -112,9 +143,41 @@ def error_event(event: dict) -> tuple[int, dict]:
     return status, error_body(event["message"], type="server_error", code=event["code"])
 
 
+# Errors that come back the same however often they are retried (and a retry of invalid_json pays
+# for the same answer again): OpenAI's clients would retry a 5xx twice by default.
+DETERMINISTIC_ERRORS = frozenset({"invalid_json"})
+
+
 def error_event_response(event: dict) -> JsonResponse:
     status, body = error_event(event)
-    return JsonResponse(body, status=status)
+    response = JsonResponse(body, status=status)
+    if event["code"] in DETERMINISTIC_ERRORS:
+        response["x-should-retry"] = "false"
+    return response
+
+
+# --- every /v1 answer -------------------------------------------------------------------------
+
+
+def with_request_id(view: View) -> View:
+    """Every /v1 answer carries x-request-id, refusals and errors included; a chat's is its ledger row's.
+
+    A 4xx other than 408/409/429 is the request's own fault, so retrying it cannot help: it says so
+    with x-should-retry: false, which OpenAI's clients obey (they retry 408, 409, 429 and 5xx).
+    """
+
+    @wraps(view)
+    async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+        request.request_id = uuid.uuid4().hex
+        with request_context(request.request_id):
+            response = await view(request, *args, **kwargs)
+        if "x-request-id" not in response:
+            response["x-request-id"] = request.request_id
+        if 400 <= response.status_code < 500 and response.status_code not in (408, 409, 429):
+            response.setdefault("x-should-retry", "false")
+        return response
+
+    return wrapper
 
 
 # --- authentication ----------------------------------------------------------------------------
@@ -162,6 +225,7 @@ class ChatRequest:
     model: str
     stream: bool
     feature_given: bool  # the body named its feature: that wins over the model's routing
+    include_usage: bool = False  # stream_options.include_usage: end the stream with a usage chunk
 
 
 def read_body(request: HttpRequest) -> bytes:
@@ -203,7 +267,22 @@ def parse_chat_request(body: bytes) -> ChatRequest:
     }
     frame = parse_chat({name: value for name, value in fields.items() if value is not None})
     frame = replace(frame, params=parse_params(data))
-    return ChatRequest(frame, model, stream, feature_given=data.get("feature") is not None)
+    return ChatRequest(frame, model, stream, feature_given=data.get("feature") is not None,
+                       include_usage=_include_usage(data.get("stream_options"), stream))
+
+
+def _include_usage(options: Any, stream: bool) -> bool:
+    """stream_options.include_usage, checked as OpenAI checks it."""
+    if options is None:
+        return False
+    if not stream:
+        raise ParamError("invalid_value", "The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
+    if not isinstance(options, dict):
+        raise ParamError("invalid_type", "Invalid type for 'stream_options': expected an object.", "stream_options")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise ParamError("invalid_type", "Invalid type for 'stream_options.include_usage': expected a boolean.", "stream_options.include_usage")
+    return include
 
 
 def _tags_field(data: dict):
@@ -277,16 +356,42 @@ def read_rate_limits(user, feature_name: str | None, api_key=None) -> dict[str, 
     return rate_limit_headers(user, feature_name, api_key)
 
 
+def method_not_allowed(request: HttpRequest, allowed: str) -> JsonResponse:
+    message = f"Use {allowed} for {request.path}; {request.method} is not allowed there."
+    return api_error(405, message, type="invalid_request_error", code="method_not_allowed", headers={"Allow": allowed})
+
+
 @csrf_exempt
+@with_request_id
 @api_key_required
 @with_rate_limits
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     if request.method != "POST":
-        return api_error(405, "Use POST for /v1/chat/completions.", type="invalid_request_error", code="method_not_allowed")
+        return method_not_allowed(request, "POST")
     try:
         chat = parse_chat_request(read_body(request))
     except (FrameError, ParamError) as exc:
         return invalid_request(exc)
+    return await answer(request, chat, Completion)
+
+
+@csrf_exempt
+@with_request_id
+@api_key_required
+@with_rate_limits
+async def completions(request: HttpRequest) -> HttpResponse:
+    """The legacy POST /v1/completions: one prompt string, answered as the user's message of a chat."""
+    if request.method != "POST":
+        return method_not_allowed(request, "POST")
+    try:
+        chat = parse_chat_request(json.dumps(legacy_body(read_body(request))).encode())
+    except (FrameError, ParamError) as exc:
+        return invalid_request(exc)
+    return await answer(request, chat, TextCompletion)
+
+
+async def answer(request: HttpRequest, chat: ChatRequest, shape: type[Completion]) -> HttpResponse:
+    """Route, admit and answer one parsed request: the chat request's first event decides the status."""
     if not chat.feature_given:
         feature = await routed_feature(chat.model)
         if feature is None:
@@ -295,19 +400,18 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     request.rate_limit_feature = chat.frame.feature
     stream = chat.stream and not await is_extract(chat.frame.feature)
     # The key's own caps apply to this request as well as its user's (budgets/guard.py).
-    events = run_chat(request.api_key.user, replace(chat.frame, api_key=request.api_key))
+    events = run_chat(request.api_key.user, replace(chat.frame, api_key=request.api_key), request_id=request.request_id)
     first = await anext(events, INTERNAL_ERROR)
     if first["type"] != "accepted":
         await events.aclose()
         return refusal_response(first) if first["type"] == "refused" else error_event_response(first)
-    completion = Completion(first["request_id"], chat.model, logprobs=chat.frame.params.logprobs)
+    completion = shape(first["request_id"], chat.model, logprobs=chat.frame.params.logprobs, include_usage=chat.include_usage)
     if stream:
         response = StreamingHttpResponse(stream_chunks(events, completion), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
         response["X-Accel-Buffering"] = "no"  # proxies must pass each chunk on at once
     else:
         response = await collect_completion(events, completion)
-    response["X-Request-Id"] = completion.request_id
     if "fallback" in first:
         # The guard served it with the feature's fallback: say who answered (docs/api.md).
         response["x-ceiling-fallback"] = first["fallback"]["feature"]
@@ -315,18 +419,129 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     return response
 
 
+def legacy_body(body: bytes) -> dict:
+    """A /v1/completions body as the chat body it stands for: `prompt` becomes the user's message.
+
+    What a chat model cannot do with a bare prompt is refused with a sentence, not ignored.
+    """
+    data = loads_limited(body, "request body")  # deep nesting is a 400, never a RecursionError's 500
+    if not isinstance(data, dict):
+        raise FrameError("bad_json", "The request body must be a JSON object.")
+    if "messages" in data:
+        raise ParamError("invalid_value", "/v1/completions takes a 'prompt'; send 'messages' to /v1/chat/completions.", "messages")
+    if data.get("suffix") is not None:
+        raise ParamError("unsupported_value", "Ceiling's models answer after a prompt and cannot fill in before a "
+                         "'suffix'; leave 'suffix' out.", "suffix")
+    if data.get("echo"):
+        raise ParamError("unsupported_value", "Ceiling does not echo the prompt back; send 'echo': false or leave it out.", "echo")
+    if data.get("logprobs") is not None:
+        raise ParamError("unsupported_value", "The legacy 'logprobs' is not supported here; use /v1/chat/completions with "
+                         "'logprobs': true and 'top_logprobs'.", "logprobs")
+    if data.get("best_of") not in (None, 1):
+        raise ParamError("unsupported_value", "Ceiling answers with one completion per request, so 'best_of' must be 1.", "best_of")
+    fields = {name: value for name, value in data.items() if name not in ("prompt", "suffix", "echo", "best_of", "logprobs")}
+    return fields | {"messages": [{"role": "user", "content": legacy_prompt(data.get("prompt"))}]}
+
+
+def legacy_prompt(prompt: Any) -> str:
+    """One prompt string: a string, or a list of one string (the client's batch of one)."""
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        raise ParamError("unsupported_value", "Ceiling answers one prompt per request; send 'prompt' as one string.", "prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ParamError("invalid_value", "'prompt' must be a string with some text in it.", "prompt")
+    return prompt
+
+
 @csrf_exempt
+@with_request_id
+@api_key_required
+@with_rate_limits
+async def embeddings(request: HttpRequest) -> HttpResponse:
+    """POST /v1/embeddings: counted, capped, logged and priced as a chat is (inference/web/embeddings.py)."""
+    if request.method != "POST":
+        return method_not_allowed(request, "POST")
+    try:
+        asked = embeddings_lib.parse_embedding_request(read_body(request))
+    except (FrameError, ParamError) as exc:
+        return invalid_request(exc)
+    if asked.model not in embeddings_lib.MODEL_NAMES:
+        return model_not_found(asked.model)
+    feature = await get_feature(asked.feature)
+    if feature is None:
+        return api_error(400, f"There is no feature named {asked.feature!r}.", type="invalid_request_error",
+                         code="unknown_feature", param="feature")
+    request.rate_limit_feature = feature.name
+    user, request_id = request.api_key.user, request.request_id
+    ids = await off_thread(embeddings_lib.token_ids)(asked.inputs)
+    tokens = sum(len(one) for one in ids)
+    refusal = _embedding_refusal(feature, ids)
+    if refusal is not None:
+        code, message = refusal
+        await database_sync_to_async(embeddings_lib.log_refusal)(request_id, user, feature, code, message, tokens)
+        return refusal_response({"type": "refused", "code": code, "message": message, "retry_after_s": None})
+    decision = await database_sync_to_async(embeddings_lib.admit, thread_sensitive=False)(
+        request_id, user, request.api_key, feature, asked, ids)
+    if not decision.admitted:
+        return refusal_response({"type": "refused", "code": decision.code, "message": decision.message,
+                                 "retry_after_s": decision.retry_after_s})
+    try:
+        vectors = await off_thread(embeddings_lib.embed_and_settle)(request_id, asked.inputs, tokens)
+    except Exception:  # noqa: BLE001 - settled failed already; the caller hears it in OpenAI's shape
+        log.exception("embeddings %s failed", request_id)
+        return error_event_response({"type": "error", "code": "engine_failed",
+                                     "message": "The embedding model failed on this request; it is logged, please try again."})
+    return JsonResponse(embeddings_lib.response_body(asked, vectors, tokens))
+
+
+def _embedding_refusal(feature: Feature, ids: list[list[int]]) -> tuple[str, str] | None:
+    """(code, message) decided before the guard: a switched-off feature, an input over the model's length."""
+    if not feature.enabled:
+        return "feature_disabled", f"The feature {feature.name!r} is switched off by the operators."
+    message = embeddings_lib.too_long(ids)
+    return ("max_input_tokens", message) if message else None  # the ledger's code, as for a chat
+
+
+def off_thread(function):
+    # The tokenizer and the model release the GIL in their native code: other requests keep moving.
+    return sync_to_async(function, thread_sensitive=False)
+
+
+@csrf_exempt
+@with_request_id
 @api_key_required
 @with_rate_limits
 async def list_models(request: HttpRequest) -> HttpResponse:
     if request.method != "GET":
-        return api_error(405, "Use GET for /v1/models.", type="invalid_request_error", code="method_not_allowed")
+        return method_not_allowed(request, "GET")
     return JsonResponse({"object": "list", "data": await listed_models()})
+
+
+@csrf_exempt
+@with_request_id
+@api_key_required
+@with_rate_limits
+async def retrieve_model(request: HttpRequest, model: str) -> HttpResponse:
+    """GET /v1/models/{id}: one entry of the list (the client's models.retrieve), else a 404 model_not_found."""
+    if request.method != "GET":
+        return method_not_allowed(request, "GET")
+    found = next((entry for entry in await listed_models() if entry["id"] == model), None)
+    return JsonResponse(found) if found is not None else model_not_found(model)
+
+
+@csrf_exempt
+@with_request_id
+async def not_found(request: HttpRequest, rest: str = "") -> HttpResponse:
+    """Any other /v1 path: OpenAI's JSON 404, never Django's HTML page (clients parse the body)."""
+    message = f"Invalid URL ({request.method} {request.path}): Ceiling's API has no such endpoint; GET /v1/openapi.json lists them."
+    return api_error(404, message, type="invalid_request_error", code="unknown_url")
 
 
 @database_sync_to_async
 def listed_models() -> list[dict]:
-    """The served model (the default feature), then one entry per alias of a feature an API caller can use."""
+    """The served model (the default feature), one entry per alias of a feature an API caller can use,
+    then the embedding model (POST /v1/embeddings; on the default feature unless the body names one)."""
     def entry(name: str, feature: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "ceiling", "feature": feature}
 
@@ -334,7 +549,8 @@ def listed_models() -> list[dict]:
         ModelAlias.objects.filter(feature__enabled=True).exclude(feature__mode=Feature.Mode.BATCH)
         .order_by("name").values_list("name", "feature__name")
     )
-    return [entry(settings.CEILING_MODEL_NAME, DEFAULT_FEATURE), *(entry(name, feature) for name, feature in aliases)]
+    served = [entry(settings.CEILING_MODEL_NAME, DEFAULT_FEATURE), *(entry(name, feature) for name, feature in aliases)]
+    return [*served, entry(embeddings_lib.EMBEDDING_MODEL, DEFAULT_FEATURE)]  # POST /v1/embeddings only
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -343,16 +559,18 @@ def listed_models() -> list[dict]:
 class Completion:
     """The OpenAI objects of one answer; the id carries our request id, as in the TokenLog."""
 
-    def __init__(self, request_id: str, model: str, *, logprobs: bool = False) -> None:
+    def __init__(self, request_id: str, model: str, *, logprobs: bool = False, include_usage: bool = False) -> None:
         self.request_id = request_id
         self.id = f"chatcmpl-{request_id}"
         self.model = model
         self.created = int(time.time())
         self.logprobs = logprobs  # the client asked for them: each choice carries {"content": [...]}
+        self.include_usage = include_usage  # as OpenAI: every chunk has "usage": null, the last one after
 
     def chunk(self, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> dict:
         choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
-        return self._object("chat.completion.chunk", choices=[choice])
+        extra = {"usage": None} if self.include_usage else {}
+        return self._object("chat.completion.chunk", choices=[choice], **extra)
 
     def usage_chunk(self, done: dict) -> dict:
         return self._object("chat.completion.chunk", choices=[], usage=usage(done))
@@ -372,6 +590,26 @@ class Completion:
 
     def _object(self, kind: str, **fields) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, **fields}
+
+
+class TextCompletion(Completion):
+    """The legacy text_completion objects of /v1/completions: `text` where a chat has a message."""
+
+    def __init__(self, request_id: str, model: str, **options) -> None:
+        super().__init__(request_id, model, **options)
+        self.id = f"cmpl-{request_id}"
+
+    def chunk(self, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> dict:
+        choice = {"text": delta.get("content") or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        extra = {"usage": None} if self.include_usage else {}
+        return self._object("text_completion", choices=[choice], **extra)
+
+    def usage_chunk(self, done: dict) -> dict:
+        return self._object("text_completion", choices=[], usage=usage(done))
+
+    def whole(self, text: str, done: dict, logprobs: list | None = None) -> dict:
+        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": done["finish_reason"]}
+        return self._object("text_completion", choices=[choice], usage=usage(done))
 
 
 def usage(done: dict) -> dict:
@@ -401,7 +639,8 @@ async def collect_completion(events: AsyncIterator[dict], completion: Completion
 
 
 async def stream_chunks(events: AsyncIterator[dict], completion: Completion) -> AsyncIterator[bytes]:
-    """Server-sent events as OpenAI streams them, with usage always included (include_usage).
+    """Server-sent events as OpenAI streams them; a last chunk with usage only when the client asked
+    (stream_options.include_usage): its empty `choices` breaks the common `chunk.choices[0]` loop.
 
     Daphne hands a client's disconnect to Django, which cancels or closes this generator; closing
     `events` then cancels the generation.
@@ -418,7 +657,8 @@ async def stream_chunks(events: AsyncIterator[dict], completion: Completion) -> 
                     calls = [{"index": index, **call} for index, call in enumerate(event["tool_calls"])]
                     yield sse(completion.chunk({"tool_calls": calls}))
                 yield sse(completion.chunk({}, finish_reason=event["finish_reason"]))
-                yield sse(completion.usage_chunk(event))
+                if completion.include_usage:
+                    yield sse(completion.usage_chunk(event))
                 yield b"data: [DONE]\n\n"
                 return
             elif event["type"] == "error":

@@ -28,6 +28,7 @@ from functools import lru_cache
 
 import redis
 from django.conf import settings
+from django.db.models import Q, Sum
 from django.http import Http404, HttpRequest, HttpResponse
 from django.utils import timezone
 from django.views.decorators.http import require_GET
@@ -37,7 +38,9 @@ from prometheus_client.utils import floatToGoString
 
 from budgets import live as budget_live
 from budgets.forecast import all_cost_caps, forecasts
+from budgets.guard import SETTLED
 from budgets.models import TokenLog
+from budgets.periods import period_bounds
 
 from .bus.stats import read_engine_stats
 
@@ -76,16 +79,19 @@ class Spec:
         return KEY_PREFIX + self.name
 
 
-TTFT = Spec("time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds (from admission).", ("feature",), TTFT_BUCKETS)
-TPOT = Spec("time_per_output_token_seconds", "histogram", "Histogram of time per output token in seconds.", ("feature",), TPOT_BUCKETS)
-E2E = Spec("e2e_request_latency_seconds", "histogram", "Histogram of e2e request latency in seconds (admission to end).", ("feature",), E2E_BUCKETS)
-PROMPT_TOKENS = Spec("prompt_tokens", "counter", "Number of prefill tokens processed.", ("feature",))
-GENERATION_TOKENS = Spec("generation_tokens", "counter", "Number of generation tokens processed.", ("feature",))
-REQUEST_SUCCESS = Spec("request_success", "counter", "Count of finished requests (stop, length, abort = cancelled, error = failed).", ("feature", "finished_reason"))
-REQUESTS_REFUSED = Spec("requests_refused", "counter", "Requests the budget guard or the front door refused, by refusal code.", ("code",))
+# model_name as vLLM labels its metrics (the ledger's model: "<model>@int8" for a variant, a remote's
+# model name), beside Ceiling's own feature, so vLLM's dashboards work unchanged.
+MODEL_LABELS = ("feature", "model_name")
+TTFT = Spec("time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds (from admission).", MODEL_LABELS, TTFT_BUCKETS)
+TPOT = Spec("time_per_output_token_seconds", "histogram", "Histogram of time per output token in seconds.", MODEL_LABELS, TPOT_BUCKETS)
+E2E = Spec("e2e_request_latency_seconds", "histogram", "Histogram of e2e request latency in seconds (admission to end).", MODEL_LABELS, E2E_BUCKETS)
+PROMPT_TOKENS = Spec("prompt_tokens", "counter", "Number of prefill tokens processed.", MODEL_LABELS)
+GENERATION_TOKENS = Spec("generation_tokens", "counter", "Number of generation tokens processed.", MODEL_LABELS)
+REQUEST_SUCCESS = Spec("request_success", "counter", "Count of finished requests (stop, length, abort = cancelled, error = failed).", (*MODEL_LABELS, "finished_reason"))
+REQUESTS_REFUSED = Spec("requests_refused", "counter", "Requests the budget guard or the front door refused, by refusal code and the scope of the limit.", ("code", "scope"))
 PREFIX_CACHE_HITS = Spec("prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached prompt tokens.")
 CACHE_HITS = Spec("cache_hits", "counter", "Answers served from the response cache, by kind (exact, semantic).", ("kind",))
-COST = Spec("cost_micro_usd", "counter", "Spend in micro-dollars, at the price in force at admission.", ("feature",))
+COST = Spec("cost_micro_usd", "counter", "Spend in micro-dollars, at the price in force at admission.", MODEL_LABELS)
 RETRIEVAL = Spec("retrieval_seconds", "histogram", "Histogram of a docs feature's retrieval time in seconds (before admission).", ("feature",), TTFT_BUCKETS)
 RETRIEVED_TOKENS = Spec("retrieved_tokens", "counter", "Prompt tokens that retrieval placed in docs features' prompts.", ("feature",))
 RETRIEVAL_CACHE = Spec("retrieval_cache_lookups", "counter", "Retrieval cache lookups of docs features, by result (hit, miss).", ("result",))
@@ -126,10 +132,11 @@ def increments_for(row: TokenLog) -> list[Increment]:
     """What one settled or refused ledger row adds to the metrics (nothing for a running one)."""
     if row.status == TokenLog.Status.RUNNING:
         return []
-    feature = {"feature": row.feature.name if row.feature_id else NO_FEATURE}
-    retrieval = _retrieval_increments(row, feature)
+    retrieval = _retrieval_increments(row, {"feature": row.feature.name if row.feature_id else NO_FEATURE})
     if row.status == TokenLog.Status.REFUSED:
-        return [Increment(REQUESTS_REFUSED, "value", {"code": row.refusal_code or "unknown"}, 1), *retrieval]
+        code = row.refusal_code or "unknown"
+        return [Increment(REQUESTS_REFUSED, "value", {"code": code, "scope": refusal_scope(code)}, 1), *retrieval]
+    feature = {"feature": row.feature.name if row.feature_id else NO_FEATURE, "model_name": row.model or NO_FEATURE}
     reason = FINISHED_REASON.get(row.status) or row.finish_reason or "stop"
     out = [
         Increment(REQUEST_SUCCESS, "value", feature | {"finished_reason": reason}, 1),
@@ -154,6 +161,21 @@ def increments_for(row: TokenLog) -> list[Increment]:
         decode_s = max(0, row.total_ms - row.ttft_ms) / 1000
         out += _observe(TPOT, feature, decode_s / (row.completion_tokens - 1))
     return out + retrieval
+
+
+# A refusal code's first word names whose limit said no (docs/protocol.md's codes); the rest are
+# about the request itself (too long, a switched-off feature, a duplicate) or the service.
+REFUSAL_SCOPES = ("user", "team", "key", "tag", "feature", "provider", "loop")
+
+
+def refusal_scope(code: str) -> str:
+    """user, team, key, tag, feature, provider, loop; "service" when ours failed; else "request"."""
+    if code.endswith("_unavailable"):
+        return "service"
+    scope = code.split("_", 1)[0]
+    if code == "feature_disabled" or scope not in REFUSAL_SCOPES:
+        return "request"
+    return scope
 
 
 def _retrieval_increments(row: TokenLog, feature: dict[str, str]) -> list[Increment]:
@@ -261,29 +283,54 @@ class CeilingCollector:
             fields = [(*json.loads(raw_field), raw_value) for raw_field, raw_value in stored.items()]
             yield self._histogram(spec, fields) if spec.kind == "histogram" else self._counter(spec, fields)
         yield from self._engine_gauges(read_engine_stats())
-        yield self._exhaustion_gauge()
+        yield from self._exhaustion_gauge()
+        yield from self._spend_gauges()
 
     @staticmethod
-    def _exhaustion_gauge() -> GaugeMetricFamily:
+    def _exhaustion_gauge() -> list[GaugeMetricFamily]:
         """Seconds until each cost cap runs out at the current rate, from the ledger at scrape time
         (a few GROUP BY day queries): 0 when spent, +Inf when it lasts until its period resets."""
         # Not vLLM's, so not its "ceiling:" spelling: colons are meant for recording rules, and the
         # issue that asked for it (and alert rules written against it) say ceiling_budget_exhaustion_seconds.
+        labels = ["scope_kind", "scope", "period"]
         family = GaugeMetricFamily(
             "ceiling_budget_exhaustion_seconds",
             "Projected seconds until a cost cap is spent at the current rate (trailing 7 days, by weekday with 3 weeks of history); +Inf: lasts the period.",
-            labels=["scope_kind", "scope", "period"],
+            labels=labels,
         )
+        remaining = GaugeMetricFamily("ceiling_budget_remaining_usd", "What is left of each cost cap this period, in dollars (0 when spent).", labels=labels)
+        limit = GaugeMetricFamily("ceiling_budget_limit_usd", "Each cost cap, in dollars per period.", labels=labels)
         try:
             now = timezone.now()
             projections = forecasts(all_cost_caps(now), now)
         except Exception:  # noqa: BLE001 - the request metrics must still be scraped when this fails
             log.exception("metrics: budget forecasts failed")
-            return family
+            return [family, remaining, limit]
         for projection in sorted(projections, key=lambda f: (f.cap.scope, f.cap.period)):
             cap = projection.cap
-            family.add_metric([cap.scope_kind, cap.scope, cap.period], projection.seconds_left)
-        return family
+            key = [cap.scope_kind, cap.scope, cap.period]
+            family.add_metric(key, projection.seconds_left)
+            remaining.add_metric(key, max(0, cap.cap_micro_usd - projection.spent_micro_usd) / 1_000_000)
+            limit.add_metric(key, cap.cap_micro_usd / 1_000_000)
+        return [family, remaining, limit]
+
+    @staticmethod
+    def _spend_gauges() -> list[GaugeMetricFamily]:
+        """Spend this day and month per user, team and API key: the top N of each, plus "other"."""
+        family = GaugeMetricFamily(
+            "ceiling_spend_usd",
+            f"Settled spend this period in dollars, by user, team and API key: the top {settings.CEILING_METRICS_TOP_N} "
+            "of each by spend, the rest summed as scope=\"other\".",
+            labels=["scope_kind", "scope", "period"],
+        )
+        try:
+            series = spend_series(timezone.now(), settings.CEILING_METRICS_TOP_N)
+        except Exception:  # noqa: BLE001 - as above
+            log.exception("metrics: spend by scope failed")
+            return [family]
+        for (kind, scope, period), micro_usd in series:
+            family.add_metric([kind, scope, period], micro_usd / 1_000_000)
+        return [family]
 
     @staticmethod
     def _counter(spec: Spec, fields: list) -> CounterMetricFamily:
@@ -326,6 +373,54 @@ class CeilingCollector:
                 kv.add_metric(key, engine.get("kv_blocks_used", 0) / total if total else 0.0)
                 peak.add_metric(key, engine.get("peak_tokens_per_s") or 0.0)
         yield from (running, waiting, kv, peak)
+
+
+# --- spend by scope, bounded ---------------------------------------------------------------------
+
+OTHER = "other"
+SPEND_SCOPES = (("user", "user_id"), ("team", "team_id"), ("key", "api_key_id"))
+
+
+def spend_series(now, top_n: int) -> list[tuple[tuple[str, str, str], int]]:
+    """((scope_kind, scope, period), micro-dollars) for this day and month: one GROUP BY per kind.
+
+    Each kind and period names its top_n scopes by spend and sums the rest as "other" (absent when
+    nothing is left over), so the series stay bounded however many users there are.
+    """
+    day_start, _ = period_bounds("day", now)
+    month_start, _ = period_bounds("month", now)
+    out: list[tuple[tuple[str, str, str], int]] = []
+    for kind, column in SPEND_SCOPES:
+        rows = list(
+            TokenLog.objects.filter(SETTLED, created_at__gte=month_start, created_at__lt=now, **{f"{column}__isnull": False})
+            .values(column)
+            .annotate(month=Sum("cost_micro_usd"), day=Sum("cost_micro_usd", filter=Q(created_at__gte=day_start)))
+            .order_by()
+        )
+        for period in ("day", "month"):
+            spent = sorted(((row[period] or 0, row[column]) for row in rows), key=lambda pair: (-pair[0], pair[1]))
+            spent = [(amount, pk) for amount, pk in spent if amount > 0]
+            top, rest = spent[:top_n], spent[top_n:]
+            names = scope_names(kind, [pk for _, pk in top])
+            out += [((kind, names.get(pk, str(pk)), period), amount) for amount, pk in top]
+            if rest:
+                out.append(((kind, OTHER, period), sum(amount for amount, _ in rest)))
+    return out
+
+
+def scope_names(kind: str, ids: list[int]) -> dict[int, str]:
+    """A label for each scope: the username, the team's name, "<username>/<key name>" for a key."""
+    from django.contrib.auth import get_user_model
+
+    from accounts.models import ApiKey
+    from budgets.models import Team
+
+    if kind == "user":
+        return dict(get_user_model().objects.filter(pk__in=ids).values_list("pk", "username"))
+    if kind == "team":
+        return dict(Team.objects.filter(pk__in=ids).values_list("pk", "name"))
+    keys = ApiKey.objects.filter(pk__in=ids).values_list("pk", "user__username", "name")
+    return {pk: f"{username}/{name}" for pk, username, name in keys}
 
 
 REGISTRY = CollectorRegistry(auto_describe=False)

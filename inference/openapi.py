@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.http import HttpRequest, JsonResponse
-from django.views.decorators.http import require_GET
 
 JSON = "application/json"
 
@@ -28,7 +27,10 @@ def openapi_document() -> dict:
         "security": [{"apiKey": []}],
         "paths": {
             "/v1/chat/completions": {"post": _chat_completions()},
+            "/v1/completions": {"post": _completions()},
+            "/v1/embeddings": {"post": _embeddings()},
             "/v1/models": {"get": _models()},
+            "/v1/models/{model}": {"get": _model()},
         },
         "components": {
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer", "description": "a key from /accounts/keys/ (ck_…)"}},
@@ -63,6 +65,51 @@ def _chat_completions() -> dict:
             "503": {"$ref": "#/components/responses/Unavailable"},
         },
     }
+
+
+def _completions() -> dict:
+    return {
+        "operationId": "createCompletion",
+        "description": "The legacy endpoint: 'prompt' (a string, or a list of one) is answered as the user's message of a "
+        "chat, with the same fields, guard and ledger as /v1/chat/completions; 'suffix', 'echo' true, 'logprobs' and "
+        "'best_of' above 1 are a 400 that says why.",
+        "requestBody": {"required": True, "content": {JSON: {"schema": {"type": "object", "required": ["prompt"]}}}},
+        "responses": {
+            "200": {"description": "a text_completion, whole or as server-sent events",
+                    "content": {JSON: {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}}},
+            **{status: {"$ref": f"#/components/responses/{name}"} for status, name in ERROR_RESPONSES},
+        },
+    }
+
+
+def _embeddings() -> dict:
+    return {
+        "operationId": "createEmbedding",
+        "description": "all-MiniLM-L6-v2 (384 dimensions, 256 tokens per input): 'input' a string or up to 256 strings, "
+        "'encoding_format' float or base64; counted, capped, logged and priced as a chat on 'feature' (default chat).",
+        "requestBody": {"required": True, "content": {JSON: {"schema": {"type": "object", "required": ["model", "input"]}}}},
+        "responses": {
+            "200": {"description": "OpenAI's list of embeddings with usage", "content": {JSON: {"schema": {"type": "object"}}}},
+            **{status: {"$ref": f"#/components/responses/{name}"} for status, name in ERROR_RESPONSES if status != "502"},
+        },
+    }
+
+
+def _model() -> dict:
+    return {
+        "operationId": "retrieveModel",
+        "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+        "responses": {
+            "200": {"description": "one entry of GET /v1/models", "content": {JSON: {"schema": {"type": "object"}}}},
+            "401": {"$ref": "#/components/responses/Unauthorized"},
+            "404": {"$ref": "#/components/responses/ModelNotFound"},
+        },
+    }
+
+
+ERROR_RESPONSES = (("400", "BadRequest"), ("401", "Unauthorized"), ("403", "FeatureDisabled"), ("404", "ModelNotFound"),
+                   ("405", "MethodNotAllowed"), ("413", "TooLarge"), ("429", "Refused"), ("502", "BadModelOutput"),
+                   ("503", "Unavailable"))
 
 
 def _models() -> dict:
@@ -105,6 +152,10 @@ def _schemas() -> dict:
                 "max_tokens": token_limit,
                 "max_completion_tokens": {**token_limit, "description": "the newer name of max_tokens; wins when both are sent"},
                 "stream": {"type": "boolean", "default": False},
+                "stream_options": {
+                    "type": "object", "properties": {"include_usage": {"type": "boolean"}},
+                    "description": "with stream true only (else 400): include_usage ends the stream with a usage chunk",
+                },
                 "feature": {"type": "string", "minLength": 1, "default": "chat", "description": "Ceiling's feature (budget) name"},
                 "loop_id": {"type": "string", "minLength": 1, "maxLength": 64, "description": "counts calls and spend against a loop budget"},
                 **_generation_params(),
@@ -279,6 +330,8 @@ def _generation_params() -> dict:
     }
 
 
-@require_GET
-def openapi_json(request: HttpRequest) -> JsonResponse:
+async def openapi_json(request: HttpRequest) -> JsonResponse:
+    if request.method not in ("GET", "HEAD"):
+        error = {"message": f"Use GET for {request.path}.", "type": "invalid_request_error", "param": None, "code": "method_not_allowed"}
+        return JsonResponse({"error": error}, status=405, headers={"Allow": "GET"})
     return JsonResponse(openapi_document())

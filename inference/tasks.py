@@ -12,6 +12,7 @@ from celery.signals import celeryd_after_setup, worker_init, worker_shutdown
 from django.conf import settings
 
 from budgets.reconcile import reconcile_forever
+from project.logs import request_context
 
 from .bus.cancel import listen_for_cancellations
 from .bus.ownership import reassert_claims
@@ -47,7 +48,12 @@ _stop_services = threading.Event()
 def generate(request_id: str, reply_to: str = "") -> None:
     # reply_to: the waiting web process's stream inbox; a task queued by an older web process
     # carries none, and its user's page then ends from the ledger (chat_request._relay).
-    run_generation(request_id, reply_to)
+    # Every line logged while it runs (the generation, its settle) names the request, as the web
+    # process's lines about it do (project/logs.py).
+    with request_context(request_id):
+        log.info("generation picked up")
+        run_generation(request_id, reply_to)
+        log.info("generation settled")
 
 
 @shared_task(name="inference.refine", queue="inference", ignore_result=True, acks_late=False,

@@ -232,6 +232,29 @@ MIDDLEWARE = [
     "axes.middleware.AxesMiddleware",
 ]
 
+# --- CORS for /v1 (django-cors-headers), off unless origins are named ----------------------------
+# A browser app on another origin may call the API with its key (Bearer, never cookies). Off by
+# default: nothing is installed, a preflight gets the API's 401 as before.
+CEILING_CORS_ORIGINS = envlist("CEILING_CORS_ORIGINS", [])
+for _origin in CEILING_CORS_ORIGINS:
+    if urlparse(_origin).scheme not in ("http", "https") or not urlparse(_origin).netloc or urlparse(_origin).path not in ("", "/"):
+        raise ImproperlyConfigured(f"CEILING_CORS_ORIGINS: {_origin!r} is not an origin such as https://app.example")
+if CEILING_CORS_ORIGINS:
+    from corsheaders.defaults import default_headers
+
+    INSTALLED_APPS.append("corsheaders")
+    MIDDLEWARE.insert(1, "corsheaders.middleware.CorsMiddleware")  # before CommonMiddleware, as it asks
+    CORS_ALLOWED_ORIGINS = CEILING_CORS_ORIGINS
+    CORS_URLS_REGEX = r"^/v1/"
+    CORS_ALLOW_CREDENTIALS = False
+    # What OpenAI's JavaScript client sends beside the usual ones, so its preflight passes.
+    CORS_ALLOW_HEADERS = (*default_headers, "openai-organization", "openai-project", "openai-beta", "x-stainless-arch",
+                          "x-stainless-lang", "x-stainless-os", "x-stainless-package-version", "x-stainless-retry-count",
+                          "x-stainless-runtime", "x-stainless-runtime-version", "x-stainless-timeout", "x-stainless-async",
+                          "x-stainless-helper-method")
+    CORS_EXPOSE_HEADERS = ["x-request-id", "x-should-retry", "retry-after", "x-ceiling-fallback", "x-ceiling-fallback-model",
+                           *(f"x-ratelimit-{what}-{metric}" for what in ("limit", "remaining", "reset") for metric in ("requests", "tokens"))]
+
 ROOT_URLCONF = "project.urls"
 ASGI_APPLICATION = "project.asgi.application"
 WSGI_APPLICATION = None
@@ -515,6 +538,9 @@ CEILING_WEBHOOK_ALLOW_PRIVATE = envbool("CEILING_WEBHOOK_ALLOW_PRIVATE", False)
 # --- Metrics ----------------------------------------------------------------------------------
 # GET /metrics wants `Authorization: Bearer <this>`; empty (the default) switches the endpoint off (404).
 CEILING_METRICS_TOKEN = envstr("CEILING_METRICS_TOKEN", "")
+# ceiling_spend_usd names this many users, teams and API keys by spend (per period); the rest add up
+# to one "other" series, so a scrape's size does not grow with the user base.
+CEILING_METRICS_TOP_N = envint("CEILING_METRICS_TOP_N", 10, minimum=1)
 
 # --- Email (spend alerts) ------------------------------------------------------------------------
 EMAIL_BACKEND = envstr("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
@@ -529,11 +555,22 @@ DEFAULT_FROM_EMAIL = envstr("DEFAULT_FROM_EMAIL", "ceiling@localhost")
 # Who hears about a provider's spend when the provider names no alert recipients.
 CEILING_ALERT_FALLBACK_EMAILS = envlist("CEILING_ALERT_FALLBACK_EMAILS", [])
 
+# plain: the readable line; json: one JSON object per line for a log pipeline (project/logs.py). Both
+# carry the ledger's request id of the chat being served, so one chat can be followed from the web
+# process to the worker and its settle.
+CEILING_LOG_FORMAT = envstr("CEILING_LOG_FORMAT", "plain").strip().lower()
+if CEILING_LOG_FORMAT not in ("plain", "json"):
+    raise ImproperlyConfigured(f"CEILING_LOG_FORMAT={CEILING_LOG_FORMAT!r} must be plain or json")
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "filters": {"request_id": {"()": "project.logs.RequestIdFilter"}},
+    "formatters": {
+        "plain": {"()": "project.logs.PlainFormatter"},
+        "json": {"()": "project.logs.JsonFormatter"},
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": CEILING_LOG_FORMAT, "filters": ["request_id"]}},
     "root": {"handlers": ["console"], "level": envstr("LOG_LEVEL", "INFO")},
     "loggers": {"daphne": {"level": "WARNING"}, "django.channels.server": {"level": "WARNING"}},
 }

@@ -23,7 +23,11 @@ from inference.models import BatchJob
 pytestmark = pytest.mark.django_db
 
 # Who may open a URL, by its route (a regular expression over the joined route text).
-PUBLIC = {r"^$", r"^accounts/login/$", r"^accounts/logout/$", r"^v1/openapi\.json$"}
+PUBLIC = {
+    r"^$", r"^accounts/login/$", r"^accounts/logout/$", r"^v1/openapi\.json$",
+    r"^healthz$", r"^readyz$",  # probes of load balancers: states only, no names (tests/test_health.py)
+    r"^\^v1\(",  # any other /v1 path: a JSON 404 for anyone, it shows nothing
+}
 LOGGED_IN = {
     r"^chat/$",
     r"^chat/requests/<str:request_id>/$",
@@ -32,7 +36,7 @@ LOGGED_IN = {
     r"^usage/$",
     r"^usage/keys/<int:key_id>/caps/$",  # the key's owner (or staff); anyone else gets a 404
 }
-API_KEY = {r"^v1/chat/completions$", r"^v1/models$"}
+API_KEY = {r"^v1/chat/completions$", r"^v1/completions$", r"^v1/embeddings$", r"^v1/models$", r"^v1/models/<path:model>$"}
 METRICS_TOKEN = {r"^metrics$"}
 STAFF = {r"^staff/"}
 ADMIN = {r"^admin/"}  # Django's admin: its own login, staff (and permissions) only

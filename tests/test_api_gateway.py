@@ -66,8 +66,8 @@ def test_the_models_list_has_the_served_model_and_each_usable_alias(client, chat
     ModelAlias.objects.create(name="nightly-bot", feature=jobs)
 
     models = list(client.models.list())
-    assert [m.id for m in models] == [MODEL, "gpt-4o-mini", "support-bot"]
-    assert [m.feature for m in models] == ["chat", "support", "support"]
+    assert [m.id for m in models] == [MODEL, "gpt-4o-mini", "support-bot", "all-MiniLM-L6-v2"]
+    assert [m.feature for m in models] == ["chat", "support", "support", "chat"]  # the last: /v1/embeddings
 
 
 def test_the_model_selects_the_feature_and_an_unknown_model_is_a_404(client, chat_feature, support):

@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 import uuid
 from dataclasses import replace
+from datetime import timedelta
 
 import pytest
 from django.test import Client
@@ -46,11 +47,11 @@ def summary_feature(transactional_db):
     return Feature.objects.create(name="summary")
 
 
-def settled(feature: Feature | None, status: str = TokenLog.Status.OK, **fields) -> TokenLog:
+def settled(feature: Feature | None, status: str = TokenLog.Status.OK, model: str = "SmolLM2-135M-Instruct", **fields) -> TokenLog:
     """A ledger row as the worker leaves it; recorded as publish() records it."""
     now = timezone.now()
     row = TokenLog.objects.create(
-        request_id=uuid.uuid4().hex, feature=feature, model="SmolLM2-135M-Instruct", status=status,
+        request_id=uuid.uuid4().hex, feature=feature, model=model, status=status,
         created_at=now, finished_at=now, **fields,
     )
     record_settled(TokenLog.objects.select_related("feature").get(pk=row.pk))
@@ -65,8 +66,9 @@ def scrape(client: Client | None = None, token: str = TOKEN) -> dict:
 
 
 def value(families: dict, sample: str, **labels) -> float | None:
+    """The one sample whose labels include these (feature="chat" finds its model_name's series too)."""
     family = families[sample.removesuffix("_total").removesuffix("_bucket").removesuffix("_count").removesuffix("_sum")]
-    matches = [s.value for s in family.samples if s.name == sample and s.labels == labels]
+    matches = [s.value for s in family.samples if s.name == sample and labels.items() <= s.labels.items()]
     assert len(matches) <= 1
     return matches[0] if matches else None
 
@@ -177,7 +179,8 @@ def test_refusals_are_counted_by_code_and_nowhere_else(metrics_token, chat_featu
     families = scrape()
 
     assert value(families, "ceiling:requests_refused_total", code="user_tokens_per_day") == 2
-    assert value(families, "ceiling:requests_refused_total", code="feature_disabled") == 1
+    assert value(families, "ceiling:requests_refused_total", code="feature_disabled", scope="request") == 1
+    assert value(families, "ceiling:requests_refused_total", code="user_tokens_per_day", scope="user") == 2
     assert families["ceiling:prompt_tokens"].samples == []
     assert families["ceiling:request_success"].samples == []
 
@@ -187,7 +190,34 @@ def test_a_refusal_logged_by_the_guard_reaches_the_metrics_through_publish(metri
         request_id=uuid.uuid4().hex, user=alice, feature=chat_feature, model="m", code="max_input_tokens", message="Too long."
     )
 
-    assert value(scrape(), "ceiling:requests_refused_total", code="max_input_tokens") == 1
+    assert value(scrape(), "ceiling:requests_refused_total", code="max_input_tokens", scope="request") == 1
+
+
+def test_request_metrics_carry_vllms_model_name_beside_the_feature(metrics_token, chat_feature):
+    settled(chat_feature, finish_reason="stop", prompt_tokens=5, completion_tokens=3, ttft_ms=100, total_ms=300)
+    settled(chat_feature, finish_reason="stop", prompt_tokens=7, completion_tokens=2, ttft_ms=100, total_ms=300,
+            model="SmolLM2-135M-Instruct@int8")
+
+    families = scrape()
+
+    assert value(families, "ceiling:prompt_tokens_total", feature="chat", model_name="SmolLM2-135M-Instruct") == 5
+    assert value(families, "ceiling:prompt_tokens_total", feature="chat", model_name="SmolLM2-135M-Instruct@int8") == 7
+    success = "ceiling:request_success_total"
+    assert value(families, success, feature="chat", model_name="SmolLM2-135M-Instruct@int8", finished_reason="stop") == 1
+    assert value(families, "ceiling:time_to_first_token_seconds_count", model_name="SmolLM2-135M-Instruct") == 1
+
+
+@pytest.mark.parametrize(
+    ("code", "scope"),
+    [("user_tokens_per_day", "user"), ("team_feature_cost_per_month", "team"), ("key_requests_per_day", "key"),
+     ("tag_cost_per_month", "tag"), ("feature_requests_per_day", "feature"), ("provider_spend", "provider"),
+     ("loop_calls", "loop"), ("max_input_tokens", "request"), ("feature_disabled", "request"),
+     ("guard_unavailable", "service"), ("variant_unavailable", "service")],
+)
+def test_each_refusal_code_has_the_scope_of_its_limit(code, scope):
+    from inference.metrics import refusal_scope
+
+    assert refusal_scope(code) == scope
 
 
 def test_a_running_request_is_not_counted(metrics_token, chat_feature):
@@ -333,3 +363,67 @@ def test_a_websocket_chat_is_counted_by_the_live_stack(live_stack, alice):
     assert workers, "no worker's engine gauges"
     assert {s.labels["worker"] for s in families["ceiling:num_requests_waiting"].samples} == workers
     assert all(0 <= s.value <= 1 for s in families["ceiling:kv_cache_usage_perc"].samples)
+
+
+# --- spend by user, team and API key ---------------------------------------------------------------
+
+
+def spend(families: dict, **labels) -> float | None:
+    return value(families, "ceiling_spend_usd", **labels)
+
+
+def test_spend_names_the_top_spenders_and_sums_the_rest_as_other(metrics_token, settings, chat_feature):
+    from django.contrib.auth.models import User
+
+    from accounts.actions import do_create_api_key
+    from budgets.models import Team
+
+    settings.CEILING_METRICS_TOP_N = 2
+    team = Team.objects.create(name="research")
+    users = [User.objects.create_user(name) for name in ("ann", "ben", "cat", "dan")]
+    key, _ = do_create_api_key(users[0], "batch-job")
+    for user, micro_usd in zip(users, (4_000_000, 3_000_000, 2_000_000, 500_000), strict=True):
+        settled(chat_feature, user=user, cost_micro_usd=micro_usd, team=team if user.username in ("ann", "cat") else None,
+                api_key=key if user.username == "ann" else None)
+
+    families = scrape()
+
+    for period in ("day", "month"):
+        assert spend(families, scope_kind="user", scope="ann", period=period) == 4.0
+        assert spend(families, scope_kind="user", scope="ben", period=period) == 3.0
+        assert spend(families, scope_kind="user", scope="cat", period=period) is None  # beyond the top 2
+        assert spend(families, scope_kind="user", scope="other", period=period) == 2.5
+        assert spend(families, scope_kind="team", scope="research", period=period) == 6.0
+        assert spend(families, scope_kind="team", scope="other", period=period) is None  # nothing left over
+        assert spend(families, scope_kind="key", scope="ann/batch-job", period=period) == 4.0
+    assert len(families["ceiling_spend_usd"].samples) == 2 * (3 + 1 + 1)
+
+
+def test_spend_of_earlier_days_counts_in_the_month_only(metrics_token, alice, chat_feature):
+    from budgets.periods import period_bounds
+
+    now = timezone.now()
+    day_start, month_start = period_bounds("day", now)[0], period_bounds("month", now)[0]
+    if day_start == month_start:
+        pytest.skip("the first day of a month has no earlier day in it")
+    earlier = settled(chat_feature, user=alice, cost_micro_usd=1_000_000)
+    TokenLog.objects.filter(pk=earlier.pk).update(created_at=day_start - timedelta(seconds=1))
+    settled(chat_feature, user=alice, cost_micro_usd=250_000)
+
+    families = scrape()
+
+    assert spend(families, scope_kind="user", scope="alice", period="day") == 0.25
+    assert spend(families, scope_kind="user", scope="alice", period="month") == 1.25
+
+
+def test_each_cost_cap_shows_its_limit_and_what_is_left(metrics_token, alice, chat_feature):
+    from budgets.models import Quota
+
+    Quota.objects.create(user=alice, period="month", max_cost_micro_usd=5_000_000)
+    settled(chat_feature, user=alice, cost_micro_usd=1_500_000)
+
+    families = scrape()
+
+    cap = {"scope_kind": "user", "scope": "user:alice", "period": "month"}
+    assert value(families, "ceiling_budget_limit_usd", **cap) == 5.0
+    assert value(families, "ceiling_budget_remaining_usd", **cap) == 3.5

@@ -17,7 +17,7 @@ from openai import OpenAI
 
 from accounts.actions import do_create_api_key, do_revoke_api_key
 from budgets.models import Feature, Quota, TokenLog
-from inference.api import refusal_status
+from inference.api import error_event_response, refusal_response, refusal_status
 from inference.models import Transcript
 from tests.conftest import _test_database_url, wait_for
 
@@ -81,11 +81,11 @@ def test_a_completion_is_one_object_that_matches_the_ledger(live_stack, alice, a
     assert Transcript.objects.get(log=log).response_text == choice.message.content
 
 
-def test_a_streamed_completion_sends_chunks_then_usage(live_stack, alice, alice_key, chat_feature):
+def test_a_streamed_completion_sends_chunks_then_usage_when_asked(live_stack, alice, alice_key, chat_feature):
     summaries = Feature.objects.create(name="summaries", description="Summaries")
     stream = client_for(live_stack, alice_key).chat.completions.create(
         model="any-name-is-echoed", messages=ask("Name three colours."), max_completion_tokens=24, stream=True,
-        extra_body={"feature": "summaries"},
+        stream_options={"include_usage": True}, extra_body={"feature": "summaries"},
     )
     chunks = list(stream)
 
@@ -95,6 +95,7 @@ def test_a_streamed_completion_sends_chunks_then_usage(live_stack, alice, alice_
     assert first.choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in [first, *middle])
     assert text.strip() and all(c.choices[0].finish_reason is None for c in [first, *middle])
+    assert all(c.usage is None for c in [first, *middle, finish])
     assert last.choices == [] and last.usage is not None
 
     log = TokenLog.objects.get(request_id=request_id_of(first.id))
@@ -113,13 +114,118 @@ def test_the_stream_is_server_sent_events_ending_with_done(live_stack, alice_key
     events = raw.decode().split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""]
     assert all(e.startswith("data: {") for e in events[:-2])
-    assert json.loads(events[-3].removeprefix("data: "))["usage"]["total_tokens"] > 0
-    assert headers["X-Request-Id"] == json.loads(events[0].removeprefix("data: "))["id"].removeprefix("chatcmpl-")
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all("usage" not in chunk for chunk in chunks)  # not asked for: OpenAI sends none either
+    assert headers["X-Request-Id"] == chunks[0]["id"].removeprefix("chatcmpl-")
+
+
+def test_the_readme_loop_runs_over_a_plain_stream(live_stack, alice_key, chat_feature):
+    stream = client_for(live_stack, alice_key).chat.completions.create(
+        model=MODEL, messages=ask("Name a colour."), max_tokens=8, stream=True
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream)  # no IndexError at the end
+    assert text.strip()
+
+
+def test_stream_options_need_a_stream(live_stack, alice_key, chat_feature):
+    for extra, code in ((False, "invalid_value"), ({"include_usage": "yes"}, "invalid_type")):
+        stream = extra is not False
+        options = extra if stream else {"include_usage": True}
+        body = json.dumps({"messages": ask("hi"), "stream": stream, "stream_options": options}).encode()
+        status, headers, raw = post_raw(live_stack, body, alice_key)
+        error = json.loads(raw)["error"]
+        assert (status, error["code"], error["param"][:14]) == (400, code, "stream_options")
+        assert headers["x-should-retry"] == "false" and headers["x-request-id"]
+    assert not TokenLog.objects.exists()
 
 
 def test_the_models_list_names_the_served_model(live_stack, alice_key):
     models = list(client_for(live_stack, alice_key).models.list())
-    assert [(m.id, m.object, m.owned_by) for m in models] == [(settings.CEILING_MODEL_NAME, "model", "ceiling")]
+    assert [(m.id, m.object, m.owned_by) for m in models] == [
+        (settings.CEILING_MODEL_NAME, "model", "ceiling"), ("all-MiniLM-L6-v2", "model", "ceiling")]
+
+
+def test_a_too_long_prompt_is_context_length_exceeded_in_openai_words(live_stack, alice_key, chat_feature):
+    chat_feature.max_input_tokens = 20
+    chat_feature.save(update_fields=["max_input_tokens"])
+    messages = ask("Tell me everything about lighthouses, their keepers, their lamps and their history, please.")
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client_for(live_stack, alice_key).chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+
+    error = refused.value
+    assert error.code == "context_length_exceeded" and error.type == "invalid_request_error"
+    log = TokenLog.objects.get()
+    assert log.refusal_code == "max_input_tokens"  # the ledger (and the chat page) keep the guard's code
+    assert error.body["message"] == (
+        f"This model's maximum context length is 20 tokens. However, your messages resulted in {log.prompt_tokens} tokens. "
+        "Please reduce the length of the messages. (context_length_exceeded)"
+    )
+    assert error.response.headers["x-request-id"] == log.request_id
+    assert error.response.headers["x-should-retry"] == "false"
+
+
+def test_langchain_sees_a_too_long_prompt_as_a_context_overflow(live_stack, alice_key, chat_feature):
+    from langchain_core.exceptions import ContextOverflowError
+    from langchain_openai import ChatOpenAI
+
+    chat_feature.max_input_tokens = 20
+    chat_feature.save(update_fields=["max_input_tokens"])
+    llm = ChatOpenAI(base_url=f"{live_stack.http_url}/v1", api_key=alice_key, model=MODEL, max_retries=0, max_tokens=4)
+
+    with pytest.raises(ContextOverflowError):
+        llm.invoke("Tell me everything about lighthouses, their keepers, their lamps and their history, please.")
+
+
+def test_a_far_429_is_not_retried_by_the_client(live_stack, alice_key, chat_feature):
+    Quota.objects.create(period="month", max_requests=1)
+    client = OpenAI(base_url=f"{live_stack.http_url}/v1", api_key=alice_key, max_retries=2, timeout=120)
+    client.chat.completions.create(model=MODEL, messages=ask("Say yes."), max_tokens=2)
+
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(model=MODEL, messages=ask("Say yes."), max_tokens=2)
+
+    headers = refused.value.response.headers
+    assert int(headers["Retry-After"]) > 60 and headers["x-should-retry"] == "false"
+    refusals = TokenLog.objects.filter(status=TokenLog.Status.REFUSED)
+    assert refusals.count() == 1  # one try, not three
+    assert headers["x-request-id"] == refusals.get().request_id
+
+
+@pytest.mark.parametrize(
+    ("event", "retry_after", "should_retry"),
+    [
+        ({"code": "user_requests_per_day", "retry_after_s": 3600}, "3600", "false"),
+        ({"code": "user_requests_per_day", "retry_after_s": 30}, "30", None),
+        ({"code": "guard_unavailable", "retry_after_s": 30}, "30", None),
+        ({"code": "provider_spend", "retry_after_s": None}, None, "false"),
+        ({"code": "feature_disabled", "retry_after_s": None}, None, "false"),
+        ({"code": "variant_unavailable", "retry_after_s": None}, None, "false"),
+    ],
+)
+def test_a_refusal_says_whether_a_retry_can_help(event, retry_after, should_retry):
+    response = refusal_response({"type": "refused", "message": "No.", **event})
+    assert (response.get("Retry-After"), response.get("x-should-retry")) == (retry_after, should_retry)
+
+
+def test_a_bad_json_answer_is_not_worth_a_retry():
+    response = error_event_response({"type": "error", "code": "invalid_json", "message": "No JSON object."})
+    assert response.status_code == 502 and response["x-should-retry"] == "false"
+    failed = error_event_response({"type": "error", "code": "engine_failed", "message": "It broke."})
+    assert failed.status_code == 503 and "x-should-retry" not in failed
+
+
+def test_every_answer_has_a_request_id(live_stack, alice_key, chat_feature):
+    answers = [
+        post_raw(live_stack, b"{}", key=None),
+        post_raw(live_stack, b"not json", alice_key),
+        post_raw(live_stack, json.dumps({"model": "no-such-model", "messages": ask("hi")}).encode(), alice_key),
+    ]
+    ids = [headers["x-request-id"] for _, headers, _ in answers]
+    assert [status for status, _, _ in answers] == [401, 400, 404]
+    assert all(len(i) == 32 for i in ids) and len(set(ids)) == 3
+    assert all(headers["x-should-retry"] == "false" for _, headers, _ in answers)
 
 
 def test_a_spent_cap_is_a_429_with_the_guards_sentence(live_stack, alice_key, chat_feature):
@@ -304,3 +410,83 @@ def test_a_client_that_leaves_while_the_guard_decides_holds_nothing(live_stack, 
     assert log.status == TokenLog.Status.CANCELLED and log.admitted
     assert log.completion_tokens == 0 and log.counter_keys
     wait_for(lambda: TokenLog.objects.get(pk=log.pk).counters_settled, timeout=5)
+
+
+# --- the other endpoints clients call --------------------------------------------------------------
+
+
+def test_a_model_is_retrieved_by_its_id(live_stack, alice_key, chat_feature):
+    client = client_for(live_stack, alice_key)
+    model = client.models.retrieve(settings.CEILING_MODEL_NAME)
+    assert (model.id, model.object, model.owned_by) == (settings.CEILING_MODEL_NAME, "model", "ceiling")
+
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.code == "model_not_found" and missing.value.response.headers["x-request-id"]
+
+
+def call(live_stack, method: str, path: str, key: str | None) -> tuple[int, Message, bytes]:
+    request = urllib.request.Request(f"{live_stack.http_url}{path}", method=method, data=b"{}" if method == "POST" else None,
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, error.read()
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "code"),
+    [
+        ("GET", "/v1/no-such-thing", 404, "unknown_url"),
+        ("POST", "/v1/assistants", 404, "unknown_url"),
+        ("GET", "/v1", 404, "unknown_url"),
+        ("GET", "/v1/chat/completions/", 404, "unknown_url"),
+        ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
+        ("DELETE", "/v1/models", 405, "method_not_allowed"),
+        ("POST", f"/v1/models/{MODEL}", 405, "method_not_allowed"),
+        ("GET", "/v1/completions", 405, "method_not_allowed"),
+        ("POST", "/v1/openapi.json", 405, "method_not_allowed"),
+    ],
+)
+def test_other_paths_and_methods_are_json_errors(live_stack, alice_key, method, path, status, code):
+    answered, headers, raw = call(live_stack, method, path, alice_key)
+    assert answered == status and headers["Content-Type"] == "application/json"
+    error = json.loads(raw)["error"]
+    assert error["code"] == code and error["type"] == "invalid_request_error" and error["message"]
+    assert headers["x-request-id"] and headers["x-should-retry"] == "false"
+    if status == 405:
+        assert headers["Allow"] in ("GET", "POST")
+
+
+def test_a_legacy_completion_goes_through_the_same_guard_and_ledger(live_stack, alice, alice_key, chat_feature):
+    client = client_for(live_stack, alice_key)
+    completion = client.completions.create(model=MODEL, prompt="What is the capital of France?", max_tokens=24)
+
+    assert completion.object == "text_completion" and completion.id.startswith("cmpl-")
+    log = TokenLog.objects.get(request_id=completion.id.removeprefix("cmpl-"))
+    assert log.status == TokenLog.Status.OK and log.user == alice and "Paris" in completion.choices[0].text
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (log.prompt_tokens, log.completion_tokens)
+    assert completion.choices[0].finish_reason == log.finish_reason
+
+    chunks = list(client.completions.create(model=MODEL, prompt=["Name a colour."], max_tokens=8, stream=True))
+    assert "".join(c.choices[0].text for c in chunks).strip() and chunks[-1].choices[0].finish_reason
+    assert TokenLog.objects.filter(status=TokenLog.Status.OK).count() == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "Once upon", "suffix": "the end."}, "suffix"),
+        ({"prompt": "Once upon", "echo": True}, "echo"),
+        ({"prompt": "Once upon", "logprobs": 2}, "logprobs"),
+        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": " "}, "prompt"),
+        ({"messages": ask("hi")}, "messages"),
+    ],
+)
+def test_a_legacy_completion_refuses_what_it_cannot_do_with_a_sentence(live_stack, alice_key, chat_feature, body, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client_for(live_stack, alice_key).post("/completions", body=body, cast_to=object)
+    assert refused.value.param == param and len(refused.value.body["message"]) > 20
+    assert not TokenLog.objects.exists()

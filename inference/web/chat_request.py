@@ -65,10 +65,12 @@ from inference.web.tokenizer import (
     input_too_long_by_size,
     model_name,
 )
+from project.logs import request_id_var
 
 log = logging.getLogger(__name__)
 
 TERMINAL = frozenset({"done", "refused", "error"})
+LOGGED_EVENTS = TERMINAL | {"accepted"}  # one line each in the web process's log
 INTERNAL_ERROR = {"type": "error", "code": "internal", "message": "Something went wrong on our side; please try again."}
 DATABASE_UNAVAILABLE = {
     "type": "error", "code": "database_unavailable",
@@ -79,13 +81,24 @@ DATABASE_UNAVAILABLE = {
 _abandoned: set[asyncio.Task] = set()
 
 
-async def run_chat(user: AbstractBaseUser, frame: ChatFrame) -> AsyncIterator[dict]:
-    """Admit one chat request and yield its events; an unexpected failure ends with an `internal` error."""
-    request_id = uuid.uuid4().hex
+async def run_chat(user: AbstractBaseUser, frame: ChatFrame, request_id: str | None = None) -> AsyncIterator[dict]:
+    """Admit one chat request and yield its events; an unexpected failure ends with an `internal` error.
+
+    request_id: the ledger row's id, when the caller has already named the request (the HTTP API
+    sends it in x-request-id, refusals and errors included); else a new one.
+    """
+    request_id = request_id or uuid.uuid4().hex
+    # Every line logged about this request names it (project/logs.py), in this task and in the
+    # threads its sync_to_async calls run in. Set again after each event: the caller's context is
+    # the one in force between two of them (a streamed HTTP answer is iterated after its view returned).
+    request_id_var.set(request_id)
     try:
         async with aclosing(_admit_and_stream(request_id, user, frame)) as events:
             async for event in events:
+                if event["type"] in LOGGED_EVENTS:
+                    log.info("chat %s%s", event["type"], f" ({event['code']})" if event.get("code") else "")
                 yield event
+                request_id_var.set(request_id)
     except DatabaseError as exc:
         # Before admission nothing was written; a row admitted just before the outage is settled
         # by the worker (it retries its ledger write) or, failing that, by reconciliation.
@@ -293,7 +306,10 @@ async def _check_before_guard(
         prompt_tokens = len(prompt_ids)
     if refusal is not None:
         await log_refusal(request_id, user, feature, "max_input_tokens", refusal, prompt_tokens, frame.max_tokens, facts)
-        return prompt_ids, prompt_tokens, {"type": "refused", "code": "max_input_tokens", "message": refusal, "retry_after_s": None}
+        # The numbers too, so that the HTTP API can say it in OpenAI's words (context_length_exceeded);
+        # prompt_tokens is 0 when the size alone refused it, before tokenizing.
+        return prompt_ids, prompt_tokens, {"type": "refused", "code": "max_input_tokens", "message": refusal,
+                                           "retry_after_s": None, "limit": limit, "prompt_tokens": prompt_tokens}
     return prompt_ids, prompt_tokens, None
 
 
