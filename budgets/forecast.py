@@ -28,7 +28,7 @@ from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncDate
 
 from .guard import SETTLED
-from .models import Period, Provider, Quota, TagQuota, TeamQuota, TokenLog
+from .models import CALENDAR_PERIODS, Period, Provider, Quota, TagQuota, TeamQuota, TokenLog
 from .money import format_usd
 from .periods import local_zone, period_bounds
 from .tags import TAGGED, tags_text
@@ -228,7 +228,8 @@ def user_caps(now: datetime, user_ids: list[int] | None = None) -> list[CostCap]
     """Every user's cost caps as the guard applies them: a user's own row for a (feature, period)
     replaces the default as a whole. Under a default, only users active in the trailing week count
     (a cap nobody spends against runs out never). `user_ids` limits it to those users (a page)."""
-    quotas = list(Quota.objects.select_related("feature"))
+    # Minute and hour caps are windows against bursts: there is no period end to forecast against.
+    quotas = list(Quota.objects.select_related("feature").filter(period__in=CALENDAR_PERIODS))
     own = {(q.user_id, q.feature_id, q.period): q for q in quotas if q.user_id is not None}
     defaults = [q for q in quotas if q.user_id is None and q.max_cost_micro_usd]
     if user_ids is None:
@@ -261,7 +262,7 @@ def user_caps(now: datetime, user_ids: list[int] | None = None) -> list[CostCap]
 def team_caps(team_ids: list[int] | None = None) -> list[CostCap]:
     """Every team's cost caps (the whole team's, and per feature), counted from the ledger rows that
     recorded the team at admission, as the guard counts them. `team_ids` limits it (a page)."""
-    rows = TeamQuota.objects.select_related("team", "feature").filter(max_cost_micro_usd__gt=0)
+    rows = TeamQuota.objects.select_related("team", "feature").filter(max_cost_micro_usd__gt=0, period__in=CALENDAR_PERIODS)
     if team_ids is not None:
         rows = rows.filter(team_id__in=team_ids)
     caps = []

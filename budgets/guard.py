@@ -34,6 +34,8 @@ from .batching import Batch
 from .counters import AdmitResult, CounterGroup, CounterSpec, CounterStore, Limits, StaleRebuild, Usage, Versions
 from .live import publish_on_commit
 from .models import (
+    CALENDAR_PERIODS,
+    WINDOW_PERIODS,
     Feature,
     ModelPrice,
     Period,
@@ -56,6 +58,10 @@ log = logging.getLogger(__name__)
 WARN_PERMILLE = 800  # tell the user when a ceiling is 80% used
 REBUILD_ATTEMPTS = 5
 COUNTER_GRACE_S = 2 * 24 * 3600
+# A minute's or an hour's counter is not read once its window has passed (a settle that finds it
+# gone has nothing to release there): kept long enough for the window's answers to settle, not
+# the days a calendar counter is kept, or every active user would leave 2,880 minute keys behind.
+WINDOW_GRACE_S = 600
 
 
 class GuardUnavailable(RuntimeError):
@@ -189,9 +195,9 @@ def applicable_ceilings(
     if scopes is None:
         scopes = request_scopes(user)
     ceilings = []
-    for period in (Period.DAY, Period.MONTH):
+    for period in (*WINDOW_PERIODS, *CALENDAR_PERIODS):
         start, end = period_bounds(period, at)
-        ttl = int((end - at).total_seconds()) + COUNTER_GRACE_S
+        ttl = int((end - at).total_seconds()) + (WINDOW_GRACE_S if period in WINDOW_PERIODS else COUNTER_GRACE_S)
         pkey = period_key(period, at)
         window = {"created_at__gte": start, "created_at__lt": end}
         user_quota = quotas.get((True, False, period)) or quotas.get((False, False, period))
@@ -253,13 +259,14 @@ def admission_ceilings(user, feature: Feature | None, provider: Provider, at: da
     scopes and day while the reference cache holds them (~10% of an admission's CPU otherwise).
 
     The key carries every value of the arguments the list is built from that no version covers
-    (the caller's feature, provider and key objects, the loop's limits); the day's start fixes every
-    period key. A cached list keeps the counter TTLs of its first use, at most the cache's
+    (the caller's feature, provider and key objects, the loop's limits); the minute's start fixes
+    every period key (so a user's list is computed again once a minute). A cached list keeps the counter TTLs of its first use, at most the cache's
     MAX_AGE_S longer than exact, against a grace of COUNTER_GRACE_S past the period's end.
     """
     key_caps = scopes.api_key
     key = (
-        user.pk, period_bounds(Period.DAY, at)[0], loop, scopes.tags, scopes.team.pk if scopes.team else None,
+        # The minute's start fixes every period key (minute, hour, day, month) the list names.
+        user.pk, period_bounds(Period.MINUTE, at)[0], loop, scopes.tags, scopes.team.pk if scopes.team else None,
         (feature.pk, feature.name) if feature is not None else None,
         (provider.pk, provider.name, provider.monthly_limit_micro_usd),
         (key_caps.pk, key_caps.name, key_caps.max_requests_per_day, key_caps.max_cost_per_day_micro_usd,
@@ -293,7 +300,7 @@ def _team_ceilings(scopes: Scopes, feature: Feature, period: str, pkey: str, ttl
 
 
 def _key_ceilings(key, period: str, pkey: str, ttl: int, window: dict) -> list[Ceiling]:
-    if key is None:
+    if key is None or period not in CALENDAR_PERIODS:
         return []
     if period == Period.DAY:
         limits = Limits(requests=key.max_requests_per_day, cost_micro_usd=key.max_cost_per_day_micro_usd)
@@ -831,7 +838,7 @@ def refusal_text(ceiling: Ceiling, result: AdmitResult, now: datetime) -> tuple[
     spent = result.refused_used + result.refused_reserved
     code = _code(ceiling, metric)
     amount = _amount(metric, spent, result.refused_limit)
-    when = {"day": "for today", "month": "for this month"}.get(ceiling.period or "", "")
+    when = {"minute": "this minute", "hour": "this hour", "day": "for today", "month": "for this month"}.get(ceiling.period or "", "")
     if ceiling.scope == "provider":
         message = (
             f"{ceiling.subject.capitalize()} has reached its monthly spend limit: {amount}. "
@@ -890,7 +897,8 @@ def fell_back_text(ceiling: Ceiling, why: AdmitResult, served: Candidate, now: d
 def nearing_text(ceiling: Ceiling, result: AdmitResult, now: datetime) -> str:
     percent = result.fullest_permille // 10
     what = {"requests": "requests", "tokens": "tokens", "cost": "spending allowance"}[result.fullest_metric]
-    when = {"day": "today's", "month": "this month's"}.get(ceiling.period or "", "this loop's")
+    when = {"minute": "this minute's", "hour": "this hour's", "day": "today's", "month": "this month's"}.get(
+        ceiling.period or "", "this loop's")
     where = f" for {ceiling.subject.removeprefix('your ')}" if ceiling.scope == "feature" else ""
     if ceiling.feature_name:
         where = f" for {ceiling.feature_name!r}"

@@ -55,8 +55,16 @@ def _reference_changed(model: type[models.Model]) -> None:
 
 
 class Period(models.TextChoices):
+    MINUTE = "minute"  # a window: the calendar minute, for bursts (requests/tokens per minute)
+    HOUR = "hour"
     DAY = "day"
     MONTH = "month"
+
+
+# The calendar periods the staff grids, forecasts and alerts are built on; minute and hour are
+# windows against bursts, set beside them (a cap per minute has no month to forecast).
+CALENDAR_PERIODS = (Period.DAY, Period.MONTH)
+WINDOW_PERIODS = (Period.MINUTE, Period.HOUR)
 
 
 # The only environment variables a provider may name for its key: a staff form must not be able to

@@ -1,4 +1,4 @@
-"""Calendar periods (day, month) in settings.TIME_ZONE, and how to say when one resets."""
+"""Calendar periods (minute, hour, day, month) in settings.TIME_ZONE, and how to say when one resets."""
 
 from __future__ import annotations
 
@@ -29,7 +29,13 @@ def period_bounds(period: str, at: datetime) -> tuple[datetime, datetime]:
 
 def _period_bounds(period: str, at: datetime) -> tuple[datetime, datetime]:
     local = at.astimezone(local_zone())
-    if period == "day":
+    if period == "minute":
+        start = local.replace(second=0, microsecond=0)
+        end = start + timedelta(minutes=1)
+    elif period == "hour":
+        start = local.replace(minute=0, second=0, microsecond=0)
+        end = start + timedelta(hours=1)
+    elif period == "day":
         start = local.replace(hour=0, minute=0, second=0, microsecond=0)
         end = _local_midnight(start.date() + timedelta(days=1))
     elif period == "month":
@@ -45,9 +51,12 @@ def _local_midnight(day) -> datetime:
     return datetime(day.year, day.month, day.day, tzinfo=local_zone())
 
 
+KEY_FORMATS = {"minute": "%Y-%m-%dT%H:%M", "hour": "%Y-%m-%dT%H", "day": "%Y-%m-%d", "month": "%Y-%m"}
+
+
 def period_key(period: str, at: datetime) -> str:
     start, _ = period_bounds(period, at)
-    return start.strftime("%Y-%m-%d" if period == "day" else "%Y-%m")
+    return start.strftime(KEY_FORMATS[period])
 
 
 def seconds_until_reset(period: str, at: datetime) -> int:
@@ -59,8 +68,13 @@ def describe_reset(period: str, at: datetime) -> str:
     """'at 00:00 UTC, in 3 h 12 min' or 'on 1 January at 00:00 UTC, in 12 days 3 h'."""
     _, end = period_bounds(period, at)
     zone = end.strftime("%Z") or settings.TIME_ZONE
+    left = int((end - at).total_seconds())
+    if period == "minute":
+        return f"in {max(1, left + 1)} s"
+    if period == "hour":
+        return f"at {end:%H:%M} {zone}, in {describe_duration(left)}"
     when = f"at {end:%H:%M} {zone}" if period == "day" else f"on {end.day} {end:%B} at {end:%H:%M} {zone}"
-    return f"{when}, in {describe_duration(int((end - at).total_seconds()))}"
+    return f"{when}, in {describe_duration(left)}"
 
 
 def describe_duration(seconds: int) -> str:

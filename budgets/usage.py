@@ -26,7 +26,7 @@ from .periods import describe_reset, period_bounds
 TOP_USERS = 50
 BINS_PER_DECADE = 4  # log-spaced histogram: 1, 1.8, 3.2, 5.6, 10, ... micro-dollars
 CURVE_POINTS = 200  # the concentration curve is downsampled to at most this many points
-NO_USAGE = {Period.DAY: Usage(), Period.MONTH: Usage()}  # a group with no settled rows this month
+NO_USAGE = {period: Usage() for period in Period.values}  # a group with no settled rows this month
 
 
 # --- usage against caps: the staff pages' gauges --------------------------------------------------
@@ -72,35 +72,37 @@ def gauges(usage: Usage, caps: dict[str, int | None]) -> list[Gauge]:
 
 
 def usage_by(logs: QuerySet, group_by: str, now: datetime) -> dict[object, dict[str, Usage]]:
-    """Today's and this month's settled usage per `group_by` value: one aggregate query.
+    """This minute's, hour's, day's and month's settled usage per `group_by` value: one aggregate query.
 
-    Running and refused rows are not "used" (the guard counts them the same way); today lies
-    inside this month, so one month-wide scan with a conditional filter gives both.
+    Running and refused rows are not "used" (the guard counts them the same way); the minute, hour
+    and day lie inside this month, so one month-wide scan with conditional filters gives them all.
     """
-    day_start, day_end = period_bounds(Period.DAY, now)
     month_start, month_end = period_bounds(Period.MONTH, now)
-    today = Q(created_at__gte=day_start, created_at__lt=day_end)
     tokens = F("prompt_tokens") + F("completion_tokens")
+    sums = {}
+    for period in INNER_PERIODS:
+        start, end = period_bounds(period, now)
+        inside = Q(created_at__gte=start, created_at__lt=end)
+        sums |= {f"{period}_requests": Count("id", filter=inside), f"{period}_tokens": Sum(tokens, filter=inside),
+                 f"{period}_cost": Sum("cost_micro_usd", filter=inside)}
+    sums |= {"month_requests": Count("id"), "month_tokens": Sum(tokens), "month_cost": Sum("cost_micro_usd")}
     rows = (
         logs.filter(SETTLED, created_at__gte=month_start, created_at__lt=month_end)
         .order_by()
         .values(group_by)
-        .annotate(
-            day_requests=Count("id", filter=today),
-            day_tokens=Sum(tokens, filter=today),
-            day_cost=Sum("cost_micro_usd", filter=today),
-            month_requests=Count("id"),
-            month_tokens=Sum(tokens),
-            month_cost=Sum("cost_micro_usd"),
-        )
+        .annotate(**sums)
     )
     return {
         row[group_by]: {
-            Period.DAY: Usage(row["day_requests"], row["day_tokens"] or 0, row["day_cost"] or 0),
-            Period.MONTH: Usage(row["month_requests"], row["month_tokens"] or 0, row["month_cost"] or 0),
+            period: Usage(row[f"{period}_requests"], row[f"{period}_tokens"] or 0, row[f"{period}_cost"] or 0)
+            for period in Period.values
         }
         for row in rows
     }
+
+
+# The periods inside the month that usage_by sums with a filter of their own.
+INNER_PERIODS = (Period.MINUTE, Period.HOUR, Period.DAY)
 
 
 def total_usage(usages: list[dict[str, Usage]]) -> dict[str, Usage]:
@@ -111,7 +113,7 @@ def total_usage(usages: list[dict[str, Usage]]) -> dict[str, Usage]:
             sum(u[period].tokens for u in usages),
             sum(u[period].cost_micro_usd for u in usages),
         )
-        for period in (Period.DAY, Period.MONTH)
+        for period in Period.values
     }
 
 

@@ -144,7 +144,8 @@ def defaults(request: HttpRequest) -> HttpResponse:
 
 def _scopes(forms: list[CapsForm]) -> list[tuple[str, list[CapsForm]]]:
     # caps_forms() puts the two all-features forms first.
-    return [("All features", forms[:2]), ("Per feature", forms[2:])]
+    per_scope = len(Period.values)  # caps_forms: every period of one scope, then the next scope
+    return [("All features", forms[:per_scope]), ("Per feature", forms[per_scope:])]
 
 
 def _save_caps(request: HttpRequest, forms: list[CapsForm], *, user) -> int | None:

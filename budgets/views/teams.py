@@ -171,7 +171,7 @@ def team_detail(request: HttpRequest, team_id: int) -> HttpResponse:
     members = TeamMembership.objects.filter(team=team).select_related("user").order_by("user__username")
     context = {
         "team": team, "members": members, "member_form": member_form, "summary": summary,
-        "scopes": [("All features", caps[:2]), ("Per feature", caps[2:])], "for_user": False,
+        "scopes": [("All features", caps[:len(Period.values)]), ("Per feature", caps[len(Period.values):])], "for_user": False,
         "alerts_form": alerts_form, "webhook_form": webhook_form, "webhooks": _team_webhooks(team),
         "has_monthly_cost_cap": bool(getattr(quotas.get((None, Period.MONTH)), "max_cost_micro_usd", None)),
     }

@@ -1,7 +1,8 @@
-"""`manage.py set_quota (USERNAME | --default | --team NAME | --api-key ID | --tag NAME) --period day|month
+"""`manage.py set_quota (USERNAME | --default | --team NAME | --api-key ID | --tag NAME) --period minute|hour|day|month
 [--requests N] [--tokens N] [--cost-usd X] [--feature NAME] [--clear]`
 
-A team's caps are a user's (requests, tokens, cost; all features or one); an API key carries
+A user's and a team's caps are per minute, hour, day or month (requests, tokens, cost; all features
+or one): minute and hour are windows against bursts. An API key carries
 requests per day and cost per day and per month; a tag, cost per month.
 """
 
@@ -14,7 +15,7 @@ from django.db import transaction
 from accounts.management.database import DatabaseCommand
 from accounts.models import ApiKey
 from budgets.actions import QUOTA_FIELDS, do_set_key_caps, do_set_quota, do_set_tag_quota, do_set_team_quota
-from budgets.models import Feature, Period, Quota, TagQuota, Team, TeamQuota
+from budgets.models import CALENDAR_PERIODS, Feature, Period, Quota, TagQuota, Team, TeamQuota
 from budgets.money import NegativeAmount, TooPrecise, parse_usd
 from budgets.tags import TAG_RULE, is_tag, normalise_tag
 
@@ -98,6 +99,8 @@ class Command(DatabaseCommand):
             raise CommandError(f"There is no API key with id {key_id}.")
         if tokens is not None or feature is not None:
             raise CommandError("An API key's caps are --requests (per day) and --cost-usd; not --tokens or --feature.")
+        if period not in CALENDAR_PERIODS:
+            raise CommandError("An API key's caps are per day or per month: use --period day or month.")
         if period == Period.MONTH and requests is not None:
             raise CommandError("An API key caps requests per day only; use --period day for --requests.")
         names = {"requests": "max_requests_per_day", "cost": f"max_cost_per_{period}_micro_usd"}
