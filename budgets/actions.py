@@ -356,6 +356,8 @@ def audit_text(field: str, value: object) -> str:
         return "default"
     if field in SECRET_FIELDS:  # the trail says a key changed, never what it is (not even encrypted)
         return "set" if value else "not set"
+    if field == "expires_at" and value is None:
+        return "never"
     if value is None:
         is_cap = field.startswith("max_") or (field.endswith("_micro_usd") and field not in NOT_CAPS)
         return "no cap" if is_cap else "none"
@@ -365,8 +367,6 @@ def audit_text(field: str, value: object) -> str:
         return exact_usd(value)
     if isinstance(value, datetime):
         return timezone.localtime(value).isoformat(timespec="seconds")
-    if field == "expires_at" and value is None:
-        return "never"
     if field == "allowed_features" and not value:
         return "all features"
     if isinstance(value, (list, tuple)):
