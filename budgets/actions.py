@@ -594,7 +594,7 @@ def do_rotate_api_key(actor: AbstractBaseUser | None, key_id: int, grace: timede
     """Replace a working key with a new one (same name, caps and features): (the new row, its plaintext).
 
     The old key keeps working for `grace` (never longer than it would have), so the programs that use
-    it can move over. Both changes are audited in the same transaction; the old row is locked, so
+    it can move over. Both changes are audited in the same transaction; the old row is locked (on PostgreSQL), so
     two rotations at once make one successor, not two.
     """
     now = timezone.now()
