@@ -8,9 +8,12 @@ key with one indexed lookup instead of comparing secrets.
 from __future__ import annotations
 
 import hashlib
+from datetime import datetime
 
 from django.conf import settings
 from django.db import models
+from django.db.models import Q
+from django.utils import timezone
 
 KEY_PREFIX = "ck_"
 SHOWN_CHARS = 8  # of the key, kept in the clear so a person can tell their keys apart
@@ -24,15 +27,23 @@ def hash_key(plaintext: str) -> str:
 
 
 class ApiKeyQuerySet(models.QuerySet):
-    def active(self) -> ApiKeyQuerySet:
+    def unrevoked(self) -> ApiKeyQuerySet:
         return self.filter(revoked_at__isnull=True, user__is_active=True)
 
+    def active(self) -> ApiKeyQuerySet:
+        """Keys that work now: not revoked, their user active, not expired."""
+        return self.unrevoked().filter(Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now()))
+
     def for_plaintext(self, plaintext: str) -> ApiKey | None:
-        """The active key with this text, or None (unknown, revoked, or its user deactivated)."""
+        """The unrevoked key with this text, or None (unknown, revoked, or its user deactivated).
+
+        An expired key is returned: the caller refuses it with a sentence saying when it expired,
+        which helps the one person who holds the key and tells nobody else anything.
+        """
         # Found by hash: the database never compares the secret itself, so timing tells nothing.
         if not plaintext.startswith(KEY_PREFIX) or len(plaintext) > 200:
             return None
-        return self.active().select_related("user").filter(hashed_key=hash_key(plaintext)).first()
+        return self.unrevoked().select_related("user").filter(hashed_key=hash_key(plaintext)).first()
 
 
 class ApiKey(models.Model):
@@ -42,6 +53,16 @@ class ApiKey(models.Model):
     hashed_key = models.CharField(max_length=64, unique=True)
     created_at = models.DateTimeField()
     last_used_at = models.DateTimeField(null=True, blank=True)
+    # The client's address at last_used_at (behind trusted proxies, the forwarded one): written with
+    # it, so at most once a minute, and a use from a second address within that minute is not shown.
+    last_used_ip = models.GenericIPAddressField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)  # None: never
+    # The key this one replaced (rotation): the old key then expires after a grace period.
+    rotated_from = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="successors")
+    # The features this key may use, by name; empty means all of them. Names, not a relation:
+    # accounts sits below budgets, where features live. A renamed feature drops out of the scope, so a
+    # narrowed key fails closed until its owner or staff add the new name.
+    allowed_features = models.JSONField(default=list, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     # The key's own caps, below its user's (budgets/guard.py checks both in the same admission). Set by
     # the key's owner, who may only lower them, or by staff (budgets.actions.do_set_key_caps).
@@ -72,7 +93,18 @@ class ApiKey(models.Model):
 
     @property
     def is_active(self) -> bool:
-        return self.revoked_at is None
+        return self.revoked_at is None and not self.is_expired()
+
+    def is_expired(self, now: datetime | None = None) -> bool:
+        return self.expires_at is not None and self.expires_at <= (now or timezone.now())
+
+    def allows(self, feature: str) -> bool:
+        """Whether this key may use `feature` (an empty scope allows every feature)."""
+        return not self.allowed_features or feature in self.allowed_features
+
+    @property
+    def scope_text(self) -> str:
+        return ", ".join(self.allowed_features) if self.allowed_features else "all features"
 
 
 def _dollars(micro_usd: int | None) -> str:

@@ -1,4 +1,6 @@
-"""The logged-in user's own API keys: list, create (the key is shown once), revoke."""
+"""The logged-in user's own API keys: list, create (the key is shown once), revoke.
+
+Rotating a key is audited, so it lives with the audit trail: budgets/views/keys.py."""
 
 from __future__ import annotations
 
@@ -18,11 +20,11 @@ def api_keys(request: HttpRequest) -> HttpResponse:
     created = None
     form = ApiKeyForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
-        key, plaintext = do_create_api_key(request.user, form.cleaned_data["name"])
+        key, plaintext = do_create_api_key(request.user, form.cleaned_data["name"], expires_at=form.expires_at())
         # Rendered, not redirected: the plaintext must not travel through the session or a cookie.
         created = {"key": key, "plaintext": plaintext}
         form = ApiKeyForm()
-    context = {"form": form, "created": created, "keys": ApiKey.objects.filter(user=request.user)}
+    context = {"form": form, "created": created, "keys": ApiKey.objects.filter(user=request.user).prefetch_related("successors")}
     response = render(request, "accounts/keys.html", context)
     if created:
         response["Cache-Control"] = "no-store"

@@ -11,6 +11,9 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, models, transaction
 from django.utils import timezone
 
+from accounts.actions import create_successor
+from accounts.models import ApiKey
+
 from . import ledger_sql, refcache
 from .live import publish_on_commit
 from .models import (
@@ -353,6 +356,8 @@ def audit_text(field: str, value: object) -> str:
         return "default"
     if field in SECRET_FIELDS:  # the trail says a key changed, never what it is (not even encrypted)
         return "set" if value else "not set"
+    if field == "expires_at" and value is None:
+        return "never"
     if value is None:
         is_cap = field.startswith("max_") or (field.endswith("_micro_usd") and field not in NOT_CAPS)
         return "no cap" if is_cap else "none"
@@ -362,6 +367,8 @@ def audit_text(field: str, value: object) -> str:
         return exact_usd(value)
     if isinstance(value, datetime):
         return timezone.localtime(value).isoformat(timespec="seconds")
+    if field == "allowed_features" and not value:
+        return "all features"
     if isinstance(value, (list, tuple)):
         return ", ".join(str(item) for item in value)
     return str(value)
@@ -561,7 +568,7 @@ def do_set_team_quota(
 
 
 def do_set_key_caps(actor: AbstractBaseUser | None, key, caps: dict[str, int | None]) -> list[AuditEntry]:
-    """An API key's own caps (accounts.models.KEY_CAP_FIELDS; a field left out is kept), audited.
+    """An API key's own caps (KEY_CAP_FIELDS) and scope (allowed_features); a field left out is kept. Audited.
 
     Who may raise what is the caller's rule (the owner may only lower, staff may do anything); the
     guard applies whatever is saved at the key's next admission.
@@ -569,7 +576,52 @@ def do_set_key_caps(actor: AbstractBaseUser | None, key, caps: dict[str, int | N
     before = snapshot(key, caps)
     for name, value in caps.items():
         setattr(key, name, value)
-    return do_save_with_audit(actor, key, list(caps), before, target=f"api key {key.pk} ({key.user.get_username()}/{key.name})")
+    return do_save_with_audit(actor, key, list(caps), before, target=api_key_target(key))
+
+
+MAX_GRACE_HOURS = 720  # a rotated key's old text works at most 30 days more
+
+
+class KeyNotRotatable(Exception):
+    """The key cannot be rotated (revoked, expired, already rotated); the message says which."""
+
+
+def api_key_target(key: ApiKey) -> str:
+    return f"api key {key.pk} ({key.user.get_username()}/{key.name})"
+
+
+def do_rotate_api_key(actor: AbstractBaseUser | None, key_id: int, grace: timedelta) -> tuple[ApiKey, str]:
+    """Replace a working key with a new one (same name, caps and features): (the new row, its plaintext).
+
+    The old key keeps working for `grace` (never longer than it would have), so the programs that use
+    it can move over. Both changes are audited in the same transaction; the old row is locked (on PostgreSQL), so
+    two rotations at once make one successor, not two.
+    """
+    now = timezone.now()
+    with transaction.atomic():
+        key = ApiKey.objects.select_for_update().select_related("user").filter(pk=key_id).first()
+        if key is None:
+            raise KeyNotRotatable(f"There is no API key with id {key_id}.")
+        _check_rotatable(key, now)
+        new, plaintext = create_successor(key, now)
+        before = key.expires_at
+        key.expires_at = min(before, now + grace) if before is not None else now + grace
+        key.save(update_fields=["expires_at"])
+        _record(actor, "create", api_key_target(new), {"rotated_from": ("", f"api key {key.pk} ({key.prefix}…)")})
+        _record(actor, "update", api_key_target(key),
+                {"expires_at": (audit_text("expires_at", before), audit_text("expires_at", key.expires_at))})
+    return new, plaintext
+
+
+def _check_rotatable(key: ApiKey, now: datetime) -> None:
+    if key.revoked_at is not None:
+        raise KeyNotRotatable(f"The API key {key.name!r} ({key.prefix}…) is revoked; create a new key instead.")
+    if key.is_expired(now):
+        raise KeyNotRotatable(f"The API key {key.name!r} ({key.prefix}…) has expired; create a new key instead.")
+    if not key.user.is_active:
+        raise KeyNotRotatable(f"The user {key.user.get_username()!r} is deactivated; a key for them would not work.")
+    if key.successors.exists():
+        raise KeyNotRotatable(f"The API key {key.name!r} ({key.prefix}…) was rotated already; rotate its successor.")
 
 
 def do_set_tag_quota(actor: AbstractBaseUser | None, tag: str, max_cost_micro_usd: int | None) -> list[AuditEntry]:

@@ -743,22 +743,33 @@ class KeyCapsForm(forms.Form):
     max_cost_per_day_usd = DollarsField(label="Cost per day ($)", required=False, error_messages=NOT_NEGATIVE)
     max_cost_per_month_usd = DollarsField(label="Cost per month ($)", required=False, error_messages=NOT_NEGATIVE)
 
+    allowed_features = forms.MultipleChoiceField(
+        label="Features it may use", required=False, widget=forms.CheckboxSelectMultiple,
+        help_text="None ticked: every feature. A request for another feature is refused (403 feature_not_allowed).",
+    )
+
     def __init__(self, *args, key, lower_only: bool, **kwargs) -> None:
         kwargs.setdefault("initial", {
             "max_requests_per_day": key.max_requests_per_day,
             "max_cost_per_day_usd": dollars_text(key.max_cost_per_day_micro_usd),
             "max_cost_per_month_usd": dollars_text(key.max_cost_per_month_micro_usd),
+            "allowed_features": list(key.allowed_features),
         })
         super().__init__(*args, **kwargs)
         self.key, self.lower_only = key, lower_only
-        for name in self.fields:
+        for name in ("max_requests_per_day", "max_cost_per_day_usd", "max_cost_per_month_usd"):
             self.fields[name].widget.attrs.update({"placeholder": "no cap"})
+        # The features an API caller can reach, and whatever the key names already (a renamed or
+        # switched-off one stays visible, so unticking it is possible).
+        names = set(Feature.objects.exclude(mode=Feature.Mode.BATCH).values_list("name", flat=True))
+        self.fields["allowed_features"].choices = [(name, name) for name in sorted(names | set(key.allowed_features))]
 
-    def caps(self) -> dict[str, int | None]:
+    def caps(self) -> dict[str, int | list[str] | None]:
         return {
             "max_requests_per_day": self.cleaned_data.get("max_requests_per_day"),
             "max_cost_per_day_micro_usd": to_micro_usd(self.cleaned_data.get("max_cost_per_day_usd")),
             "max_cost_per_month_micro_usd": to_micro_usd(self.cleaned_data.get("max_cost_per_month_usd")),
+            "allowed_features": sorted(self.cleaned_data.get("allowed_features") or []),
         }
 
     def clean(self) -> dict:
@@ -766,8 +777,18 @@ class KeyCapsForm(forms.Form):
         if self.lower_only and not self.errors:
             boxes = {"max_requests_per_day": "max_requests_per_day", "max_cost_per_day_micro_usd": "max_cost_per_day_usd",
                      "max_cost_per_month_micro_usd": "max_cost_per_month_usd"}
-            for name, value in self.caps().items():
+            caps = self.caps()
+            for name, box in boxes.items():
                 current = getattr(self.key, name)
-                if current is not None and (value is None or value > current):
-                    self.add_error(boxes[name], "You can only lower this cap; ask staff to raise or remove it.")
+                if current is not None and (caps[name] is None or caps[name] > current):
+                    self.add_error(box, "You can only lower this cap; ask staff to raise or remove it.")
+            if not _narrows(self.key.allowed_features, caps["allowed_features"]):
+                self.add_error("allowed_features", "You can only narrow the key's features; ask staff to widen them.")
         return cleaned
+
+
+def _narrows(current: list[str], wanted: list[str]) -> bool:
+    """Whether `wanted` allows nothing that `current` does not (an empty list allows everything)."""
+    if not current:
+        return True
+    return bool(wanted) and set(wanted) <= set(current)

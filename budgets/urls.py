@@ -24,4 +24,5 @@ urlpatterns = [
     path("staff/alerts/webhooks/<int:webhook_id>/", alerts.webhook_detail, name="staff-webhook"),
     path("usage/", logs.my_usage, name="my-usage"),
     path("usage/keys/<int:key_id>/caps/", keys.key_caps, name="api-key-caps"),
+    path("usage/keys/<int:key_id>/rotate/", keys.rotate_key, name="api-key-rotate"),
 ]

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
+from datetime import UTC
 from functools import partial, wraps
 from typing import Any
 
@@ -31,6 +32,7 @@ from accounts.actions import do_touch_api_key
 from accounts.models import ApiKey
 from budgets.models import Feature
 from project.logs import request_context
+from project.proxies import client_address
 
 from .models import ModelAlias
 from .web import embeddings as embeddings_lib
@@ -81,6 +83,14 @@ def model_not_found(model: str) -> JsonResponse:
     # OpenAI's own words and shape for a model that is not there, so clients handle it as theirs.
     message = f"The model `{model}` does not exist or you do not have access to it. GET /v1/models lists the models you can use."
     return api_error(404, message, type="invalid_request_error", code="model_not_found")
+
+
+def feature_not_allowed(key: ApiKey, feature: str) -> JsonResponse:
+    """A key outside its scope: refused before the guard (no ledger row, as for other 4xx), logged."""
+    log.info("api key %s refused: feature %r is outside its scope", key.pk, feature)
+    message = (f"The API key {key.name!r} ({key.prefix}…) may not use the feature {feature!r}; it may use "
+               f"{key.scope_text}. GET /v1/models lists the models it can use.")
+    return api_error(403, message, type="permission_error", code="feature_not_allowed", param="feature")
 
 
 def refusal_status(code: str) -> tuple[int, str]:
@@ -191,9 +201,11 @@ def api_key_required(view: View) -> View:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return _unauthorized("missing_api_key", "Send your API key as 'Authorization: Bearer <key>'. Create one at /accounts/keys/.")
-        key = await authenticate(token.strip())
+        key, expired = await authenticate(token.strip(), client_address(request))
         if key is None:
             return _unauthorized("invalid_api_key", "This API key is not valid: it is unknown, revoked, or its user is deactivated.")
+        if expired:
+            return _unauthorized("invalid_api_key", expired)
         request.api_key = key
         return await view(request, *args, **kwargs)
 
@@ -203,11 +215,25 @@ def api_key_required(view: View) -> View:
 # The /v1 lookups run off the one thread-sensitive thread (from the connection pool): a burst's
 # requests would otherwise take their turns there, one query at a time, before reaching the guard.
 @partial(database_sync_to_async, thread_sensitive=False)
-def authenticate(token: str) -> ApiKey | None:
+def authenticate(token: str, address: str) -> tuple[ApiKey | None, str | None]:
+    """(the unrevoked key with this text, why it no longer works: None while it does).
+
+    Only a working key's use is recorded: last_used_at says when it last let a request in.
+    """
     key = ApiKey.objects.for_plaintext(token)
-    if key is not None:
-        do_touch_api_key(key)
-    return key
+    if key is None:
+        return None, None
+    if key.is_expired():
+        return key, expired_message(key)
+    do_touch_api_key(key, address)
+    return key, None
+
+
+def expired_message(key: ApiKey) -> str:
+    when = key.expires_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    rotated = " (it was rotated: use its successor)" if key.successors.exists() else ""
+    return (f"This API key {key.name!r} ({key.prefix}…) expired at {when}{rotated}. "
+            "Create or rotate a key at /accounts/keys/.")
 
 
 def _unauthorized(code: str, message: str) -> JsonResponse:
@@ -398,6 +424,8 @@ async def answer(request: HttpRequest, chat: ChatRequest, shape: type[Completion
             return model_not_found(chat.model)
         chat = replace(chat, frame=replace(chat.frame, feature=feature))
     request.rate_limit_feature = chat.frame.feature
+    if not request.api_key.allows(chat.frame.feature):
+        return feature_not_allowed(request.api_key, chat.frame.feature)
     stream = chat.stream and not await is_extract(chat.frame.feature)
     # The key's own caps apply to this request as well as its user's (budgets/guard.py).
     events = run_chat(request.api_key.user, replace(chat.frame, api_key=request.api_key), request_id=request.request_id)
@@ -473,6 +501,8 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
         return api_error(400, f"There is no feature named {asked.feature!r}.", type="invalid_request_error",
                          code="unknown_feature", param="feature")
     request.rate_limit_feature = feature.name
+    if not request.api_key.allows(feature.name):
+        return feature_not_allowed(request.api_key, feature.name)
     user, request_id = request.api_key.user, request.request_id
     ids = await off_thread(embeddings_lib.token_ids)(asked.inputs)
     tokens = sum(len(one) for one in ids)
@@ -515,7 +545,7 @@ def off_thread(function):
 async def list_models(request: HttpRequest) -> HttpResponse:
     if request.method != "GET":
         return method_not_allowed(request, "GET")
-    return JsonResponse({"object": "list", "data": await listed_models()})
+    return JsonResponse({"object": "list", "data": await listed_models(request.api_key)})
 
 
 @csrf_exempt
@@ -526,7 +556,7 @@ async def retrieve_model(request: HttpRequest, model: str) -> HttpResponse:
     """GET /v1/models/{id}: one entry of the list (the client's models.retrieve), else a 404 model_not_found."""
     if request.method != "GET":
         return method_not_allowed(request, "GET")
-    found = next((entry for entry in await listed_models() if entry["id"] == model), None)
+    found = next((entry for entry in await listed_models(request.api_key) if entry["id"] == model), None)
     return JsonResponse(found) if found is not None else model_not_found(model)
 
 
@@ -539,9 +569,10 @@ async def not_found(request: HttpRequest, rest: str = "") -> HttpResponse:
 
 
 @database_sync_to_async
-def listed_models() -> list[dict]:
+def listed_models(key: ApiKey) -> list[dict]:
     """The served model (the default feature), one entry per alias of a feature an API caller can use,
-    then the embedding model (POST /v1/embeddings; on the default feature unless the body names one)."""
+    then the embedding model (POST /v1/embeddings; on the default feature unless the body names one);
+    of those, the ones whose feature `key` may use."""
     def entry(name: str, feature: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "ceiling", "feature": feature}
 
@@ -550,7 +581,8 @@ def listed_models() -> list[dict]:
         .order_by("name").values_list("name", "feature__name")
     )
     served = [entry(settings.CEILING_MODEL_NAME, DEFAULT_FEATURE), *(entry(name, feature) for name, feature in aliases)]
-    return [*served, entry(embeddings_lib.EMBEDDING_MODEL, DEFAULT_FEATURE)]  # POST /v1/embeddings only
+    listed = [*served, entry(embeddings_lib.EMBEDDING_MODEL, DEFAULT_FEATURE)]  # POST /v1/embeddings only
+    return [one for one in listed if key.allows(one["feature"])]
 
 
 # --- responses ---------------------------------------------------------------------------------

@@ -265,8 +265,8 @@ def _error_responses() -> dict:
 
     return {
         "BadRequest": error("the body is not a valid request, the feature is unknown, or the prompt is over the input limit"),
-        "Unauthorized": error("no API key, or an unknown or revoked one", {"WWW-Authenticate": {"schema": {"type": "string"}}}),
-        "FeatureDisabled": error("the feature is switched off"),
+        "Unauthorized": error("no API key, or an unknown, revoked or expired one", {"WWW-Authenticate": {"schema": {"type": "string"}}}),
+        "FeatureDisabled": error("the feature is switched off, or outside the API key's allowed features (feature_not_allowed)"),
         "ModelNotFound": error("no feature answers to this model name (and no \"feature\" was sent)"),
         "MethodNotAllowed": error("wrong HTTP method"),
         "TooLarge": error(f"the body is over {settings.CEILING_MAX_FRAME_BYTES} bytes; refused before it is read"),

@@ -35,6 +35,7 @@ LOGGED_IN = {
     r"^accounts/keys/<int:key_id>/revoke/$",
     r"^usage/$",
     r"^usage/keys/<int:key_id>/caps/$",  # the key's owner (or staff); anyone else gets a 404
+    r"^usage/keys/<int:key_id>/rotate/$",  # the key's owner only (staff too get a 404: the new secret is theirs)
 }
 API_KEY = {r"^v1/chat/completions$", r"^v1/completions$", r"^v1/embeddings$", r"^v1/models$", r"^v1/models/<path:model>$"}
 METRICS_TOKEN = {r"^metrics$"}
@@ -117,9 +118,10 @@ def test_every_staff_page_sends_anonymous_visitors_to_log_in_and_refuses_end_use
 def test_every_logged_in_page_sends_anonymous_visitors_to_log_in(objects, alice):
     for route in [route for route in routes() if rule_of(route) == "logged_in"]:
         url = concrete(route, objects)
-        response = client_for(None).post(url) if "revoke" in url else client_for(None).get(url)
+        post_only = url.endswith(("/revoke/", "/rotate/"))
+        response = client_for(None).post(url) if post_only else client_for(None).get(url)
         assert response.status_code == 302 and response["Location"].startswith("/accounts/login/?next="), url
-        if "revoke" not in url:
+        if not post_only:
             assert client_for(alice).get(url).status_code == 200, url
 
 
@@ -150,6 +152,9 @@ def test_changing_the_key_id_never_revokes_another_users_key(alice, bob):
         response = getattr(client_for(bob), method)(f"/accounts/keys/{key.pk}/revoke/")
         assert response.status_code in (404, 405)
     assert ApiKey.objects.get(pk=key.pk).is_active
+    for method in ("get", "post"):
+        assert getattr(client_for(bob), method)(f"/usage/keys/{key.pk}/rotate/").status_code in (404, 405)
+    assert ApiKey.objects.count() == 1
     page = client_for(bob).get("/accounts/keys/").content.decode()
     assert "alices-private-key" not in page and key.prefix not in page
 
