@@ -86,7 +86,9 @@ def start_receiver() -> Receiver:
 
 
 @pytest.fixture
-def receivers():
+def receivers(settings):
+    # They listen on 127.0.0.1, which webhooks may call only when private addresses are allowed.
+    settings.CEILING_WEBHOOK_ALLOW_PRIVATE = True
     started: list[Receiver] = []
 
     def make() -> Receiver:

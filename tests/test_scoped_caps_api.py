@@ -55,7 +55,7 @@ def test_a_tag_cap_refuses_over_the_api_with_a_429(key_and_client, chat_feature)
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ({"tags": ["Support Team"]}, "'Support Team' is not a tag name"),
+        ({"tags": ["Support Team"]}, "'support team' is not a tag name"),
         ({"tags": [f"t{i}" for i in range(9)]}, "at most 8"),
         ({"tags": "support"}, "must be a list of tag names"),
         ({"tags": ["a"], "metadata": {"tags": ["b"]}}, "Send \"tags\" once"),
