@@ -36,9 +36,11 @@ PROVIDER_COUNTER_PREFIX = "ceiling:c:provider:"  # guard.provider_month_key's
 
 @dataclass(frozen=True)
 class Backup:
-    """A backup provider that may serve the request, at its price (None: unpriced, $0)."""
+    """A backup provider that may serve the request: the model it is sent (and priced and logged as)
+    and its price (None: unpriced, $0)."""
 
     provider: Provider
+    model: str
     price: ModelPrice | None
 
 
@@ -75,13 +77,15 @@ def backups(row: TokenLog, reserved_at: ModelPrice | None, passed_over: list[str
         provider = found.get(pk) if isinstance(pk, int) else None
         if provider is not None and provider.pk in served:
             continue  # the feature's own provider, or one listed twice: it has had its try
-        price = price_in_force(provider, row.model, row.created_at) if provider is not None else None
+        # The name the worker sends it (worker/remote.py), so the one it is priced and logged under.
+        model = (provider.remote_model if provider is not None else "") or row.model
+        price = price_in_force(provider, model, row.created_at) if provider is not None else None
         reason = why_not(provider, price, reserved_at)
         if reason:
             passed_over.append(f"{provider.name if provider else f'provider {pk}'}: {reason}")
             continue
         served.add(provider.pk)
-        yield Backup(provider, price)
+        yield Backup(provider, model, price)
 
 
 def do_switch_provider(row: TokenLog, backup: Backup, failed_over: list[str]) -> bool:
@@ -91,7 +95,8 @@ def do_switch_provider(row: TokenLog, backup: Backup, failed_over: list[str]) ->
     backup's already, so nothing is held twice or left held."""
     released = [key for key in row.counter_keys if key.startswith(PROVIDER_COUNTER_PREFIX)]
     keys = [key for key in row.counter_keys if key not in released]
-    fields = {"provider": backup.provider, "price": backup.price, "counter_keys": keys, "failed_over": list(failed_over)}
+    fields = {"provider": backup.provider, "model": backup.model, "price": backup.price, "counter_keys": keys,
+              "failed_over": list(failed_over)}
     if not TokenLog.objects.filter(pk=row.pk, status=TokenLog.Status.RUNNING).update(**fields):
         return False
     for name, value in fields.items():

@@ -259,7 +259,8 @@ class RemoteGeneration:
 
     def wait(self) -> Outcome:
         event, shown = self._read(self.stream)
-        if event.retryable and not shown:
+        row = self.log_row
+        if event.retryable and not shown and row.feature_id and row.feature.backup_providers:
             event = self._fail_over(event)
         stream = self.stream
         self._learn_prompt_ratio(stream)
