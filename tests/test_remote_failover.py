@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,8 +22,9 @@ from django.utils import timezone
 from budgets.guard import counter_store, provider_month_key
 from budgets.models import AuditEntry, Feature, ModelPrice, Provider, Quota, TokenLog
 from inference.metrics import clear_metrics
+from project import stack as processes
 from project.stack import free_port
-from tests.conftest import session_cookie, wait_for
+from tests.conftest import session_cookie, start_stack, wait_for
 from tests.wsclient import chat, chat_frame
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -33,7 +35,8 @@ METRICS_TOKEN = "a-long-random-scrape-token-for-failover"
 
 
 class Remote:
-    """One loopback server; `behaviour` is "answer", an HTTP status such as 503, or "midway"."""
+    """One loopback server; `behaviour` is "answer", an HTTP status such as 503, "midway" (fails after
+    two pieces of text) or "silent" (accepts, then sends nothing for 10 s)."""
 
     def __init__(self, behaviour: str | int = "answer") -> None:
         self.behaviour = behaviour
@@ -55,6 +58,10 @@ class Remote:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
+                if remote.behaviour == "silent":
+                    self.wfile.flush()
+                    time.sleep(10)
+                    return
                 pieces = ANSWER[:2] if remote.behaviour == "midway" else ANSWER
                 for piece in pieces:
                     self._send({"choices": [{"index": 0, "delta": {"content": piece}}]})
@@ -215,6 +222,30 @@ def test_a_failure_after_text_was_streamed_does_not_fail_over(live_stack, alice,
     assert answering.received == []
     row = settled_row(accepted["request_id"])
     assert row.status == TokenLog.Status.FAILED and row.provider == primary and row.failed_over == []
+
+
+@pytest.fixture(scope="module")
+def impatient_stack(live_stack, redis_db):
+    """A stack whose worker waits 2 s for a first token (the default is 50 s)."""
+    started_stack, started = start_stack(redis_db, "failover", "test-failover@%h", queue="inference-failover",
+                                         CEILING_ENGINE_FIRST_TOKEN_S="2")
+    yield started_stack
+    processes.stop_all(started)
+
+
+def test_no_first_token_in_time_fails_over(impatient_stack, alice, alice_capped, remotes):
+    silent, answering = serve(remotes, "silent", "answer")
+    backup = provider("backup", answering.url, 1_000_000, 2_000_000)
+    feature, primary = failover_feature(silent.url, backup)
+
+    accepted, *tokens, done = ask(impatient_stack, alice)
+
+    assert done["type"] == "done"
+    assert "".join(frame["text"] for frame in tokens) == "".join(ANSWER)
+    row = settled_row(accepted["request_id"])
+    assert row.provider == backup
+    assert row.failed_over == ["primary: the remote provider 'primary' produced nothing for 2 s"]
+    assert_nothing_held(row, primary)
 
 
 # --- when no provider can serve ---------------------------------------------------------------------
