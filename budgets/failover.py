@@ -20,7 +20,6 @@ become the backup's and the feature's own provider's monthly counter lets go of 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import redis
@@ -67,25 +66,26 @@ def why_not(provider: Provider | None, price: ModelPrice | None, reserved_at: Mo
     return ""
 
 
-def backups(row: TokenLog, reserved_at: ModelPrice | None, passed_over: list[str]) -> Iterator[Backup]:
-    """The feature's backups that may serve this row, in order; each one passed over is appended to
-    `passed_over` as "name: why". Read lazily: only a request whose provider failed reads them."""
+def backups(row: TokenLog, reserved_at: ModelPrice | None) -> list[tuple[str, Backup | None, str]]:
+    """The feature's backups in order, as (name, the backup, "") when it may serve this row, else
+    (name, None, why not). Read only when a request's provider failed."""
     ids = row.feature.backup_providers if row.feature_id else []
     found = Provider.objects.in_bulk([pk for pk in ids if isinstance(pk, int)])
-    served = {row.provider_id}
+    tried = {row.provider_id}
+    listed: list[tuple[str, Backup | None, str]] = []
     for pk in ids:
         provider = found.get(pk) if isinstance(pk, int) else None
-        if provider is not None and provider.pk in served:
+        if provider is not None and provider.pk in tried:
             continue  # the feature's own provider, or one listed twice: it has had its try
         # The name the worker sends it (worker/remote.py), so the one it is priced and logged under.
         model = (provider.remote_model if provider is not None else "") or row.model
         price = price_in_force(provider, model, row.created_at) if provider is not None else None
         reason = why_not(provider, price, reserved_at)
-        if reason:
-            passed_over.append(f"{provider.name if provider else f'provider {pk}'}: {reason}")
-            continue
-        served.add(provider.pk)
-        yield Backup(provider, model, price)
+        name = provider.name if provider is not None else f"provider {pk}"
+        if not reason:
+            tried.add(provider.pk)
+        listed.append((name, None if reason else Backup(provider, model, price), reason))
+    return listed
 
 
 def do_switch_provider(row: TokenLog, backup: Backup, failed_over: list[str]) -> bool:

@@ -21,11 +21,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from django.conf import settings
-from django.db import connection
+from django.db import DatabaseError, connection
 
 from budgets import estimates, failover
 from budgets.models import Provider, TokenLog
-from inference.bus.cancel import is_cancel_requested
 from inference.engine import FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, EngineError, Sampling
 from inference.engine.detokenizer import IncrementalDecoder
 from inference.engines import get_engine
@@ -261,7 +260,10 @@ class RemoteGeneration:
         event, shown = self._read(self.stream)
         row = self.log_row
         if event.retryable and not shown and row.feature_id and row.feature.backup_providers:
-            event = self._fail_over(event)
+            try:
+                event = self._fail_over(event)
+            except DatabaseError as exc:  # the ledger cannot say who serves: end as the last try ended
+                log.warning("could not fail over %s: %s", self.request_id, exc)
         stream = self.stream
         self._learn_prompt_ratio(stream)
         error = event.error or ""
@@ -291,16 +293,16 @@ class RemoteGeneration:
         """Try the feature's backups in order while each fails before its first token; the last end."""
         row = self.log_row
         self._failed(row.provider, event.error or "")
-        passed_over: list[str] = []
         with database_access():
-            candidates = list(failover.backups(row, self.reserved_at, passed_over))
-        for entry in passed_over:
-            name, reason = entry.split(": ", 1)
-            self.failed_over.append(entry)
-            self.reasons.append(f"the provider {name!r} {reason}")
-        for backup in candidates:
-            if is_cancel_requested(self.request_id):
-                return remote.RemoteEvent("", finished=True, finish_reason=FINISH_CANCELLED)
+            listed = failover.backups(row, self.reserved_at)
+        for name, backup, why_not in listed:
+            if backup is None:
+                self.failed_over.append(f"{name}: {why_not}")
+                self.reasons.append(f"the provider {name!r} {why_not}")
+                continue
+            if remote.cancel_requested(self.request_id):
+                event = remote.RemoteEvent("", finished=True, finish_reason=FINISH_CANCELLED)
+                break
             with database_access():
                 if not failover.do_switch_provider(row, backup, self.failed_over):
                     return event  # settled meanwhile (its worker was presumed lost): nothing more to try

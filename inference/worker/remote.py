@@ -147,7 +147,7 @@ class RemoteStream:
                 now = time.monotonic()
                 if now >= next_cancel_poll:
                     next_cancel_poll = now + CANCEL_POLL_S
-                    if _cancel_requested(self.request_id):
+                    if cancel_requested(self.request_id):
                         yield RemoteEvent("", finished=True, finish_reason=FINISH_CANCELLED)
                         return
                 if not first_seen and now - started > first_token_s:
@@ -414,7 +414,8 @@ def _failed(error: str, *, retryable: bool = False) -> RemoteEvent:
     return RemoteEvent("", finished=True, finish_reason=FINISH_ERROR, error=error, retryable=retryable)
 
 
-def _cancel_requested(request_id: str) -> bool:
+def cancel_requested(request_id: str) -> bool:
+    """Whether a cancel of the request was published; False when Redis cannot say (a cancel also arrives by the listener)."""
     try:
         return is_cancel_requested(request_id)
     except redis.RedisError as exc:
