@@ -369,9 +369,19 @@ def audit_text(field: str, value: object) -> str:
         return timezone.localtime(value).isoformat(timespec="seconds")
     if field == "allowed_features" and not value:
         return "all features"
+    if field == "backup_providers" and isinstance(value, list):
+        return backup_names(value)
     if isinstance(value, (list, tuple)):
         return ", ".join(str(item) for item in value)
     return str(value)
+
+
+def backup_names(ids: list) -> str:
+    """A feature's backup providers as the trail reads them: names in order ("none" for an empty list)."""
+    if not ids:
+        return "none"
+    names = dict(Provider.objects.filter(pk__in=[pk for pk in ids if isinstance(pk, int)]).values_list("pk", "name"))
+    return ", ".join(names.get(pk, f"provider {pk}") for pk in ids)
 
 
 def audit_field(field: str) -> str:

@@ -189,7 +189,7 @@ class FeatureForm(forms.ModelForm):
         model = Feature
         fields = [
             "name", "description", "enabled", "mode", "max_input_tokens", "max_output_tokens", "provider",
-            "fallback", "cache_ttl_s", "semantic_threshold", "cache_shared", "quantization_pinned",
+            "backup_providers", "fallback", "cache_ttl_s", "semantic_threshold", "cache_shared", "quantization_pinned",
             "temperature", "top_p", "frequency_penalty", "presence_penalty", "is_default",
         ]
         labels = {"cache_ttl_s": "Answer cache TTL (seconds)", "semantic_threshold": "Semantic cache threshold",
@@ -211,6 +211,15 @@ class FeatureForm(forms.ModelForm):
         super().__init__(*args, **kwargs)
         self.fields["provider"].queryset = Provider.objects.order_by("name")
         self.fields["provider"].empty_label = "the default provider (local)"
+        # Provider names in order, as staff type them; stored as ids (a rename keeps the list).
+        self.fields["backup_providers"] = forms.CharField(
+            required=False, label="Backup providers",
+            help_text="Remote providers' names, comma-separated, tried in this order when the feature's own provider "
+                      "answers 429 or 5xx, cannot be reached or sends no first token, before any text reached the user. "
+                      "A backup dearer than the feature's provider (in or out), or with a monthly spend limit, is passed over.",
+        )
+        names = Provider.objects.in_bulk([pk for pk in self.instance.backup_providers or [] if isinstance(pk, int)])
+        self.initial["backup_providers"] = ", ".join(names[pk].name for pk in self.instance.backup_providers or [] if pk in names)
         fallback = self.fields["fallback"]
         fallback.queryset = Feature.objects.exclude(pk=self.instance.pk).order_by("name")
         fallback.empty_label = "none: refuse when a cost cap is reached"
@@ -224,6 +233,24 @@ class FeatureForm(forms.ModelForm):
             if name in cleaned and cleaned[name] is None:
                 cleaned[name] = plain
         return cleaned
+
+    def clean_backup_providers(self) -> list[int]:
+        names = [name.strip() for name in (self.cleaned_data.get("backup_providers") or "").split(",") if name.strip()]
+        found = {provider.name: provider for provider in Provider.objects.filter(name__in=names)}
+        own = self.cleaned_data.get("provider")
+        ids: list[int] = []
+        for name in names:
+            provider = found.get(name)
+            if provider is None:
+                raise forms.ValidationError(f"There is no provider named {name!r}.")
+            if provider.kind != Provider.Kind.OPENAI_COMPATIBLE:
+                raise forms.ValidationError(f"{name!r} is not a remote provider; only remote providers can be backups.")
+            if own is not None and provider.pk == own.pk:
+                raise forms.ValidationError(f"{name!r} is the feature's own provider; a backup is another one.")
+            if provider.pk in ids:
+                raise forms.ValidationError(f"{name!r} is listed twice.")
+            ids.append(provider.pk)
+        return ids
 
     def clean_is_default(self) -> bool:
         """One default at a time: staff untick the current one first, so no change happens unseen."""

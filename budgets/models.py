@@ -231,6 +231,15 @@ class Feature(models.Model):
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="fallback_for",
         help_text="served instead when a cost or provider-spend cap refuses this feature (a cheaper provider or a smaller model)",
     )
+    # Failover (docs/budgets.md, "Failover"): provider ids, tried in this order when the feature's remote
+    # provider answers 429 or 5xx, cannot be reached or sends no first token, before any text reached
+    # the client. Only a remote no dearer than the feature's own provider (price in and out) and with
+    # no monthly spend limit of its own serves, so the reservation made at admission stays an upper
+    # bound of the bill; a list of ids keeps the order and is audited as one field.
+    backup_providers = models.JSONField(
+        default=list, blank=True,
+        help_text="remote providers tried in order when the feature's own fails before the first token",
+    )
     # Generation defaults: what a request gets for each value it does not give itself (the chat page
     # gives none). Plain greedy decoding unless staff set them; the demo's features use a frequency
     # penalty on greedy decoding (seed_demo, docs/configuration.md): SmolLM2 loops greedily, and a
@@ -394,6 +403,10 @@ class TokenLog(models.Model):
     # Always 0 on the local engine, whose prompt count is exact and whose output stops at max_tokens.
     overshoot_tokens = models.PositiveIntegerField(default=0)
     overshoot_micro_usd = models.BigIntegerField(default=0)
+    # The providers that failed this request before one served it (or before all failed), in order,
+    # each as "name: why" (a failure, or why a backup was passed over); provider and price above
+    # name the one that served. Empty when the feature's own provider answered.
+    failed_over = models.JSONField(default=list, blank=True)
     # The guard's Redis counters this request was reserved against, so settling releases exactly them
     # even if quotas changed in between.
     counter_keys = models.JSONField(default=list, blank=True)

@@ -98,10 +98,12 @@ RETRIEVAL_CACHE = Spec("retrieval_cache_lookups", "counter", "Retrieval cache lo
 OVERSHOOTS = Spec("overshoot_requests", "counter", "Requests a remote billed beyond their reservation (the estimate rises after each).", ("feature",))
 OVERSHOOT_TOKENS = Spec("overshoot_tokens", "counter", "Tokens billed beyond reservations (always 0 on the local engine).", ("feature",))
 OVERSHOOT_COST = Spec("overshoot_cost_micro_usd", "counter", "Micro-dollars billed beyond reservations.", ("feature",))
+FAILOVERS = Spec("failover_requests", "counter", "Requests whose feature's provider failed before the first token and that moved to a backup provider (served or not).", ("feature",))
 RETRIEVAL_SAVED = Spec("retrieval_cache_saved_seconds", "counter", "Seconds of retrieval the retrieval cache saved (each replayed search's time less its hit's).")
 
 SPECS = (TTFT, TPOT, E2E, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, REQUESTS_REFUSED, PREFIX_CACHE_HITS, CACHE_HITS, COST,
-         RETRIEVAL, RETRIEVED_TOKENS, RETRIEVAL_CACHE, RETRIEVAL_SAVED, OVERSHOOTS, OVERSHOOT_TOKENS, OVERSHOOT_COST)
+         RETRIEVAL, RETRIEVED_TOKENS, RETRIEVAL_CACHE, RETRIEVAL_SAVED, OVERSHOOTS, OVERSHOOT_TOKENS, OVERSHOOT_COST,
+         FAILOVERS)
 
 
 @lru_cache(maxsize=4)
@@ -147,6 +149,8 @@ def increments_for(row: TokenLog) -> list[Increment]:
     if row.overshoot_tokens or row.overshoot_micro_usd:
         out += [Increment(OVERSHOOTS, "value", feature, 1), Increment(OVERSHOOT_TOKENS, "value", feature, row.overshoot_tokens),
                 Increment(OVERSHOOT_COST, "value", feature, row.overshoot_micro_usd)]
+    if getattr(row, "failed_over", None):  # the ledger row names the providers that failed it
+        out.append(Increment(FAILOVERS, "value", {"feature": feature["feature"]}, 1))
     if row.cached_tokens > 0:
         out.append(Increment(PREFIX_CACHE_HITS, "value", {}, row.cached_tokens))
     # The ledger has no cache column yet; once a response cache records its kind on the row, it counts here.

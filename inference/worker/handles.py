@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from django.conf import settings
+from django.db import DatabaseError, connection
 
-from budgets import estimates
+from budgets import estimates, failover
 from budgets.models import Provider, TokenLog
 from inference.engine import FINISH_CANCELLED, FINISH_ERROR, FINISH_STOP, EngineError, Sampling
 from inference.engine.detokenizer import IncrementalDecoder
@@ -227,28 +228,54 @@ class RemoteGeneration:
     """A request streamed from the feature's remote provider; the task thread reads the stream.
 
     The remote's own token counts go to the ledger; a server that reports none is counted one
-    token per streamed chunk (remote.py).
+    token per streamed chunk (remote.py). When the provider cannot take the request (429, 5xx, no
+    connection, no first token in time) before any text reached the client, the request moves to
+    the feature's next eligible backup provider under the same reservation (budgets/failover.py).
     """
 
     def __init__(self, log_row: TokenLog) -> None:
         self.request_id = log_row.request_id
         self.log_row = log_row
+        self.reserved_at = log_row.price  # the price the guard reserved at: no backup may be dearer
         self.stream: remote.RemoteStream | None = None
         self.on_text: OnText | None = None
+        self.failed_over: list[str] = []  # the ledger's "provider: why", in order
+        self.reasons: list[str] = []  # the same as sentences, for the user's message when all failed
 
     def start(self, on_text: OnText) -> None:
+        self.on_text = on_text
+        self.stream = self._open(self.log_row.provider)
+
+    def _open(self, provider: Provider) -> remote.RemoteStream:
         row = self.log_row
         try:
-            self.stream = remote.open_stream(row.request_id, row.provider, row.model, row.transcript.messages, row.max_tokens,
-                                             params=row.transcript.params)
+            stream = remote.open_stream(row.request_id, provider, row.model, row.transcript.messages, row.max_tokens,
+                                        params=row.transcript.params)
         except remote.RemoteConfigError as exc:
             raise GenerationError(str(exc)) from exc
-        self.on_text = on_text
-        self.stream.start(read_timeout_s=settings.CEILING_ENGINE_DEADLINE_S)
+        stream.start(read_timeout_s=settings.CEILING_ENGINE_DEADLINE_S)
+        return stream
 
     def wait(self) -> Outcome:
+        event, shown = self._read(self.stream)
+        row = self.log_row
+        if event.retryable and not shown and row.feature_id and row.feature.backup_providers:
+            try:
+                event = self._fail_over(event)
+            except DatabaseError as exc:  # the ledger cannot say who serves: end as the last try ended
+                log.warning("could not fail over %s: %s", self.request_id, exc)
         stream = self.stream
-        finish_reason, error = FINISH_ERROR, ""
+        self._learn_prompt_ratio(stream)
+        error = event.error or ""
+        if self.failed_over and event.finish_reason == FINISH_ERROR:
+            error = "; ".join(self.reasons)  # every provider tried failed or was passed over: it names each
+        # Tokenizers differ: the guard admitted on our estimate of the prompt; the ledger keeps the remote's count.
+        return Outcome(event.finish_reason, error, text=stream.text, prompt_tokens=stream.prompt_tokens,
+                       completion_tokens=stream.completion_tokens, tool_calls=stream.tool_calls())
+
+    def _read(self, stream: remote.RemoteStream) -> tuple[remote.RemoteEvent, bool]:
+        """Stream to the client until the end: (the end, whether any text reached the client)."""
+        end = remote.RemoteEvent("", finished=True, finish_reason=FINISH_ERROR)
         pieces = 0  # the remote's own count comes at the end; until then, one token per piece shown
         try:
             for event in stream.events(settings.CEILING_ENGINE_FIRST_TOKEN_S, settings.CEILING_ENGINE_DEADLINE_S):
@@ -256,14 +283,46 @@ class RemoteGeneration:
                     pieces += 1
                     self.on_text(event.text, 1, pieces, event.logprobs)
                 if event.finished:
-                    finish_reason, error = event.finish_reason, event.error or ""
+                    end = event
                     break
         finally:
             stream.stop.set()  # the reader hangs up, so the remote stops generating
-        self._learn_prompt_ratio(stream)
-        # Tokenizers differ: the guard admitted on our estimate of the prompt; the ledger keeps the remote's count.
-        return Outcome(finish_reason, error, text=stream.text, prompt_tokens=stream.prompt_tokens,
-                       completion_tokens=stream.completion_tokens, tool_calls=stream.tool_calls())
+        return end, pieces > 0
+
+    def _fail_over(self, event: remote.RemoteEvent) -> remote.RemoteEvent:
+        """Try the feature's backups in order while each fails before its first token; the last end."""
+        row = self.log_row
+        self._failed(row.provider, event.error or "")
+        with database_access():
+            listed = failover.backups(row, self.reserved_at)
+        for name, backup, why_not in listed:
+            if backup is None:
+                self.failed_over.append(f"{name}: {why_not}")
+                self.reasons.append(f"the provider {name!r} {why_not}")
+                continue
+            if remote.cancel_requested(self.request_id):
+                event = remote.RemoteEvent("", finished=True, finish_reason=FINISH_CANCELLED)
+                break
+            with database_access():
+                if not failover.do_switch_provider(row, backup, self.failed_over):
+                    return event  # settled meanwhile (its worker was presumed lost): nothing more to try
+            log.info("failing over to the provider %s after: %s", backup.provider.name, self.failed_over[-1])
+            try:
+                self.stream = self._open(backup.provider)
+            except GenerationError as exc:
+                self._failed(backup.provider, str(exc))
+                continue
+            event, shown = self._read(self.stream)
+            if not (event.retryable and not shown):
+                break
+            self._failed(backup.provider, event.error or "")
+        with database_access():
+            failover.do_note_failed_over(row, self.failed_over)
+        return event
+
+    def _failed(self, provider: Provider, error: str) -> None:
+        self.failed_over.append(f"{provider.name}: {error}")
+        self.reasons.append(error)
 
     def _learn_prompt_ratio(self, stream: remote.RemoteStream) -> None:
         """Teach the provider's estimate what this prompt was really billed (budgets/estimates.py), so a
@@ -277,3 +336,13 @@ class RemoteGeneration:
     def cancel(self) -> None:
         if self.stream is not None:
             self.stream.cancel()
+
+
+@contextmanager
+def database_access() -> Iterator[None]:
+    """A ledger read or write in the middle of a stream: the connection goes back at once, as the
+    worker's was before the stream began (generation.release_database_connection)."""
+    try:
+        yield
+    finally:
+        connection.close()

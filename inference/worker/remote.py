@@ -80,6 +80,9 @@ class RemoteEvent:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list | None = None  # the remote's logprobs.content entries of this piece, as it sent them
+    # The remote could not take the request (429, 5xx, no connection, no first token in time): another
+    # provider may (worker/handles.py fails over when nothing reached the client yet).
+    retryable: bool = False
 
 
 class RemoteConfigError(RuntimeError):
@@ -144,11 +147,11 @@ class RemoteStream:
                 now = time.monotonic()
                 if now >= next_cancel_poll:
                     next_cancel_poll = now + CANCEL_POLL_S
-                    if _cancel_requested(self.request_id):
+                    if cancel_requested(self.request_id):
                         yield RemoteEvent("", finished=True, finish_reason=FINISH_CANCELLED)
                         return
                 if not first_seen and now - started > first_token_s:
-                    yield _failed(f"{self.label} produced nothing for {first_token_s:.0f} s")
+                    yield _failed(f"{self.label} produced nothing for {first_token_s:.0f} s", retryable=True)
                     return
                 if now - started > deadline_s:
                     yield _failed(f"the answer took longer than {deadline_s:.0f} s")
@@ -185,7 +188,8 @@ class RemoteStream:
                 mark(self.request_id, "connected")
                 if response.status_code >= 300:  # a redirect is not followed: it is an error like a 4xx
                     response.read()
-                    self._put(_failed(http_error_message(self.label, response.status_code, response.text)))
+                    status = response.status_code
+                    self._put(_failed(http_error_message(self.label, status, response.text), retryable=retryable_status(status)))
                     return
                 lines = response.iter_lines()
                 end = self._parse(lines)
@@ -195,9 +199,9 @@ class RemoteStream:
         except OutboundRefused as exc:  # the outbound policy, checked at connect time
             self._put(_failed(f"{label_refused(self.label)}: {exc}"))
         except httpx.ConnectTimeout:
-            self._put(_failed(f"{self.label} did not accept a connection within {CONNECT_TIMEOUT_S:.0f} s"))
+            self._put(_failed(f"{self.label} did not accept a connection within {CONNECT_TIMEOUT_S:.0f} s", retryable=True))
         except httpx.ConnectError as exc:
-            self._put(_failed(f"could not connect to {self.label} ({_reason(exc)})"))
+            self._put(_failed(f"could not connect to {self.label} ({_reason(exc)})", retryable=True))
         except httpx.ReadTimeout:
             self._put(_failed(f"{self.label} stopped sending for {read_timeout_s:.0f} s"))
         except httpx.HTTPError as exc:
@@ -401,11 +405,17 @@ def _reason(exc: Exception) -> str:
     return text[:ERROR_DETAIL_CHARS] or type(exc).__name__
 
 
-def _failed(error: str) -> RemoteEvent:
-    return RemoteEvent("", finished=True, finish_reason=FINISH_ERROR, error=error)
+def retryable_status(status: int) -> bool:
+    """Rate limited or failed on the server's side: another server may answer. A 4xx is about the request."""
+    return status == 429 or status >= 500
 
 
-def _cancel_requested(request_id: str) -> bool:
+def _failed(error: str, *, retryable: bool = False) -> RemoteEvent:
+    return RemoteEvent("", finished=True, finish_reason=FINISH_ERROR, error=error, retryable=retryable)
+
+
+def cancel_requested(request_id: str) -> bool:
+    """Whether a cancel of the request was published; False when Redis cannot say (a cancel also arrives by the listener)."""
     try:
         return is_cancel_requested(request_id)
     except redis.RedisError as exc:
