@@ -53,7 +53,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
 
     async def session_check(self, event: dict) -> None:
         """The user logged out, or their row changed: close unless they may still chat (revocation.py)."""
-        if not await still_allowed(self.scope, staff=False):
+        if not await still_allowed(self.scope, event, staff=False):
             await self._cancel_generation()
             await self.close(code=4401)
 
@@ -137,7 +137,7 @@ class DashboardConsumer(AsyncWebsocketConsumer):
 
     async def session_check(self, event: dict) -> None:
         """The user logged out or their row changed: close unless they are still active staff (revocation.py)."""
-        if not await still_allowed(self.scope, staff=True):
+        if not await still_allowed(self.scope, event, staff=True):
             await self.close(code=4403)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:

@@ -27,17 +27,23 @@ def user_group(user_id: int) -> str:
     return f"user.{user_id}"
 
 
-def tell_sockets_to_check(user_id: int) -> None:
-    """Ask every open socket of the user to check its rights again. Never raises: the change itself stands."""
+def tell_sockets_to_check(user_id: int, ended_session: str | None = None) -> None:
+    """Ask every open socket of the user to check its rights again. Never raises: the change itself stands.
+
+    ended_session: the session a logout ends. Django sends user_logged_out *before* it flushes the
+    session, so a socket that read the session store at once could still find it: the socket of that
+    session closes on the key alone.
+    """
     try:
-        async_to_sync(get_channel_layer().group_send)(user_group(user_id), CHECK)
+        async_to_sync(get_channel_layer().group_send)(user_group(user_id), {**CHECK, "ended_session": ended_session})
     except Exception:  # noqa: BLE001 - the channel layer away: sockets keep their rights until they close
         log.warning("could not tell the sockets of user %s to check their session", user_id, exc_info=True)
 
 
 def on_logged_out(sender, request=None, user=None, **kwargs) -> None:
     if user is not None:
-        tell_sockets_to_check(user.pk)
+        session = getattr(request, "session", None)
+        tell_sockets_to_check(user.pk, getattr(session, "session_key", None))
 
 
 def on_user_saved(sender, instance, created: bool = False, update_fields=None, **kwargs) -> None:
@@ -51,9 +57,17 @@ def connect() -> None:
     post_save.connect(on_user_saved, sender=get_user_model(), dispatch_uid="ceiling-sockets-user-saved")
 
 
+async def still_allowed(scope, event: dict, *, staff: bool) -> bool:
+    """Whether the socket may stay open after a `session.check` event: not the session a logout ends,
+    its user still active (and staff, for the dashboard), its session still stored."""
+    ended = event.get("ended_session")
+    if ended and ended == getattr(scope.get("session"), "session_key", None):
+        return False
+    return await _user_and_session_valid(scope, staff=staff)
+
+
 @database_sync_to_async
-def still_allowed(scope, *, staff: bool) -> bool:
-    """Whether the socket's user is still active (and staff, for the dashboard) and its session still exists."""
+def _user_and_session_valid(scope, *, staff: bool) -> bool:
     user, session = scope.get("user"), scope.get("session")
     fresh = get_user_model().objects.filter(pk=user.pk, is_active=True).only("is_staff").first()
     if fresh is None or (staff and not fresh.is_staff):
