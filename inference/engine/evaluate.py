@@ -221,7 +221,7 @@ def compare(
 
     manage.py evaluate_quantization runs one engine at a time instead (run_variant, then combine):
     an idle engine keeps its OpenMP team, and two teams on 2 cores throttle each other's barriers,
-    which made both variants' throughput ~1.6× slower there (session 18) and the comparison unfair.
+    which made both variants' throughput ~1.6× slower there (measured on a 2-core VM with both engines in one process) and the comparison unfair.
     """
     workload = mixed_workload(prompts, workload_requests, seed)
     options = dict(max_new_tokens=max_new_tokens, concurrency=concurrency, progress=progress)
