@@ -43,7 +43,7 @@ positions of 12 evaluation answers its argmax agreed at every position (max logi
 weights 0.16); the token embedding lookup keeps the fp32 table.
 
 "bf16" stores every weight, and computes every step, in bfloat16 — what GPUs serve, and what CPUs
-with AMX or AVX512-BF16 run fast: on session 18's Intel Xeon a 512-row product ran at 1,487
+with AMX or AVX512-BF16 run fast: on a 2-core Intel Xeon VM with AMX a 512-row product ran at 1,487
 GFLOP/s in bf16 against 281 in fp32, so prefill chunks and large decode batches speed up most. It
 rounds each weight to 8 bits of mantissa (the GGUF's Q4_1 values are not all bf16 numbers), so it
 is a change of numerics like the others and passes the same evaluation gate. On a CPU without bf16
