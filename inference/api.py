@@ -274,7 +274,11 @@ def _too_large(size: str, limit: int) -> FrameError:
 
 
 def parse_chat_request(body: bytes) -> ChatRequest:
-    data = loads_limited(body, "request body")
+    return parse_chat_data(loads_limited(body, "request body"))
+
+
+def parse_chat_data(data: object) -> ChatRequest:
+    """A completion request from its parsed body (a chat's, or a legacy completion's turned into one)."""
     if not isinstance(data, dict):
         raise FrameError("bad_json", "The request body must be a JSON object.")
     model = _first_given(data.get("model"), settings.CEILING_MODEL_NAME)
@@ -410,7 +414,7 @@ async def completions(request: HttpRequest) -> HttpResponse:
     if request.method != "POST":
         return method_not_allowed(request, "POST")
     try:
-        chat = parse_chat_request(json.dumps(legacy_body(read_body(request))).encode())
+        chat = parse_chat_data(legacy_body(read_body(request)))  # parsed once, not dumped and read again
     except (FrameError, ParamError) as exc:
         return invalid_request(exc)
     return await answer(request, chat, TextCompletion)
