@@ -21,6 +21,7 @@ from .models import (
     AlertWebhook,
     AuditEntry,
     Feature,
+    InFlightCap,
     ModelPrice,
     Provider,
     Quota,
@@ -653,6 +654,37 @@ def do_set_tag_quota(actor: AbstractBaseUser | None, tag: str, max_cost_micro_us
             quota.save(update_fields=["max_cost_micro_usd"])
         change = {"max_cost_micro_usd": (audit_text("max_cost_micro_usd", before), audit_text("max_cost_micro_usd", max_cost_micro_usd))}
         return _record(actor, action, f"tag quota {tag}/month", change)
+
+
+def in_flight_target(user: AbstractBaseUser | None) -> str:
+    return f"in-flight cap {user.get_username() if user else 'default'}"
+
+
+def do_set_in_flight_cap(actor: AbstractBaseUser | None, user: AbstractBaseUser | None,
+                         max_in_flight: int | None) -> list[AuditEntry]:
+    """How many requests a user (None: everyone without their own) may have in flight at once; None
+    removes the row (a user then follows the default again). Audited like every cap."""
+    with transaction.atomic():
+        cap = InFlightCap.objects.select_for_update().filter(user=user).first()
+        before = cap.max_in_flight if cap else None
+        if before == max_in_flight and (cap is not None or max_in_flight is None):
+            return []
+        if max_in_flight is None:
+            action = "delete"
+            cap.delete()
+        elif cap is None:
+            action = "create"
+            InFlightCap.objects.create(user=user, max_in_flight=max_in_flight)
+        else:
+            action = "update"
+            cap.max_in_flight = max_in_flight
+            cap.save(update_fields=["max_in_flight"])
+        # A user without a row follows the default: the trail says "default", not "no cap".
+        absent = _ABSENT if user is not None else None
+        shown_before = before if cap is not None else absent
+        shown_after = max_in_flight if max_in_flight is not None else absent
+        change = {"max_in_flight": (audit_text("max_in_flight", shown_before), audit_text("max_in_flight", shown_after))}
+        return _record(actor, action, in_flight_target(user), change)
 
 
 # --- alert webhooks ------------------------------------------------------------------------------

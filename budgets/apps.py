@@ -6,6 +6,6 @@ class BudgetsConfig(AppConfig):
 
     def ready(self) -> None:
         from . import refcache
-        from .models import Feature, ModelPrice, Provider, Quota, TagQuota, Team, TeamMembership, TeamQuota
+        from .models import Feature, InFlightCap, ModelPrice, Provider, Quota, TagQuota, Team, TeamMembership, TeamQuota
 
-        refcache.connect([Feature, ModelPrice, Provider, Quota, TagQuota, Team, TeamMembership, TeamQuota])
+        refcache.connect([Feature, InFlightCap, ModelPrice, Provider, Quota, TagQuota, Team, TeamMembership, TeamQuota])

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import lru_cache
 
 import redis
@@ -37,6 +37,7 @@ from .models import (
     CALENDAR_PERIODS,
     WINDOW_PERIODS,
     Feature,
+    InFlightCap,
     ModelPrice,
     Period,
     Provider,
@@ -219,6 +220,7 @@ def applicable_ceilings(
             )
         ceilings += _team_ceilings(scopes, feature, period, pkey, ttl, window)
         ceilings += _key_ceilings(scopes.api_key, period, pkey, ttl, window)
+    ceilings += _in_flight_ceilings(user, scopes.api_key, at)
     ceilings += _tag_ceilings(scopes, at)
     if provider.monthly_limit_micro_usd is not None:
         start, end = period_bounds(Period.MONTH, at)
@@ -250,7 +252,7 @@ def applicable_ceilings(
 
 # What a request's ceilings are computed from, besides the request itself: their versions tag each
 # cached list, so a write to any of them is seen as it is by every other lookup of the cache.
-CEILING_TABLES = ("quota", "team", "teammembership", "teamquota", "tagquota", "provider", "feature")
+CEILING_TABLES = ("quota", "team", "teammembership", "teamquota", "tagquota", "provider", "feature", "inflightcap")
 
 
 def admission_ceilings(user, feature: Feature | None, provider: Provider, at: datetime, loop: LoopLimits | None,
@@ -270,7 +272,7 @@ def admission_ceilings(user, feature: Feature | None, provider: Provider, at: da
         (feature.pk, feature.name) if feature is not None else None,
         (provider.pk, provider.name, provider.monthly_limit_micro_usd),
         (key_caps.pk, key_caps.name, key_caps.max_requests_per_day, key_caps.max_cost_per_day_micro_usd,
-         key_caps.max_cost_per_month_micro_usd) if key_caps is not None else None,
+         key_caps.max_cost_per_month_micro_usd, key_caps.max_in_flight) if key_caps is not None else None,
     )
     return refcache.cache.get(
         "ceilings", CEILING_TABLES, key, lambda: applicable_ceilings(user, feature, provider, at, loop, scopes)
@@ -310,6 +312,42 @@ def _key_ceilings(key, period: str, pkey: str, ttl: int, window: dict) -> list[C
         CounterSpec(f"ceiling:c:key:{key.pk}:{period}:{pkey}", limits, ttl),
         "key", period, f"this API key ({key.name!r})", {"api_key_id": key.pk, **window},
     )]
+
+
+# A concurrency counter has no period: it lives while its caller keeps sending (each admission
+# renews it) and, when it has expired, is rebuilt from the ledger's rows of the last IN_FLIGHT_TTL_S,
+# the only ones that can still be in flight (reconciliation settles a row the worker never did
+# within CEILING_RESERVATION_TTL_S, minutes).
+IN_FLIGHT_TTL_S = 24 * 3600
+# What a refusal for too many answers in progress asks the client to wait: one usually ends soon.
+IN_FLIGHT_RETRY_AFTER_S = 1
+
+
+def _in_flight_ceilings(user, key, at: datetime) -> list[Ceiling]:
+    """The user's cap on requests in flight at once (their own, else everyone's), and the key's."""
+    ceilings = []
+    since = {"created_at__gte": at - timedelta(seconds=IN_FLIGHT_TTL_S)}
+    user_cap = in_flight_cap_of(user.pk)
+    if user_cap is not None:
+        ceilings.append(Ceiling(
+            CounterSpec(f"ceiling:c:user:{user.pk}:inflight", Limits(in_flight=user_cap), IN_FLIGHT_TTL_S),
+            "user_in_flight", None, "you", {"user_id": user.pk, **since},
+        ))
+    if key is not None and key.max_in_flight is not None:
+        ceilings.append(Ceiling(
+            CounterSpec(f"ceiling:c:key:{key.pk}:inflight", Limits(in_flight=key.max_in_flight), IN_FLIGHT_TTL_S),
+            "key_in_flight", None, f"this API key ({key.name!r})", {"api_key_id": key.pk, **since},
+        ))
+    return ceilings
+
+
+def in_flight_cap_of(user_id: int) -> int | None:
+    """How many requests this user may have in flight: their own InFlightCap, else everyone's, else None."""
+    def load() -> int | None:
+        caps = {cap.user_id: cap.max_in_flight for cap in InFlightCap.objects.filter(Q(user_id=user_id) | Q(user__isnull=True))}
+        return caps.get(user_id, caps.get(None))
+
+    return refcache.cache.get("in_flight_cap", ("inflightcap",), user_id, load)
 
 
 def _tag_ceilings(scopes: Scopes, at: datetime) -> list[Ceiling]:
@@ -835,6 +873,8 @@ settled_marks: Batch[int] = Batch(
 
 def refusal_text(ceiling: Ceiling, result: AdmitResult, now: datetime) -> tuple[str, str, int | None]:
     metric = result.refused_metric
+    if metric == "in_flight":
+        return _in_flight_refusal(ceiling, result)
     spent = result.refused_used + result.refused_reserved
     code = _code(ceiling, metric)
     amount = _amount(metric, spent, result.refused_limit)
@@ -866,6 +906,21 @@ def refusal_text(ceiling: Ceiling, result: AdmitResult, now: datetime) -> tuple[
 
 
 GROUP_SCOPES = ("team", "team_feature", "key", "tag")
+
+
+def _in_flight_refusal(ceiling: Ceiling, result: AdmitResult) -> tuple[str, str, int]:
+    """Too many answers in progress at once: how many, the cap, and that one finishing frees a place."""
+    running, limit = result.refused_reserved, result.refused_limit
+    answers = "answer" if running == 1 else "answers"
+    if ceiling.scope == "key_in_flight":
+        code = "key_in_flight"
+        who = f"{ceiling.subject[0].upper()}{ceiling.subject[1:]} has {running:,} {answers} in progress"
+    else:
+        code = "user_in_flight"
+        who = f"You have {running:,} {answers} in progress"
+    message = (f"{who}, the most allowed at once ({limit:,}). "
+               "Send this request again when one of them has finished.")
+    return code, message, IN_FLIGHT_RETRY_AFTER_S
 
 
 def _group_refusal(ceiling: Ceiling, result: AdmitResult, metric: str, spent: int, when: str, now: datetime) -> str:

@@ -59,6 +59,8 @@ def caps_data(response, **changes) -> dict:
             for field in form:
                 value = field.value()
                 data[field.html_name] = "" if value is None else str(value)
+    for field in response.context["in_flight_form"]:
+        data[field.html_name] = "" if field.value() is None else str(field.value())
     unknown = set(changes) - set(data)
     assert not unknown, f"no such fields: {unknown}"
     return {**data, **changes}
