@@ -71,6 +71,9 @@ class ApiKey(models.Model):
     max_cost_per_month_micro_usd = models.PositiveBigIntegerField(null=True, blank=True)
     # Requests sent with this key that may be unanswered at once (admitted, not yet settled).
     max_in_flight = models.PositiveIntegerField(null=True, blank=True)
+    # The team that pays for this key's requests, by name (accounts sits below budgets, where teams
+    # live): one of its user's teams; empty means the team the user joined first.
+    team_name = models.CharField(max_length=64, blank=True, default="")
 
     objects = ApiKeyQuerySet.as_manager()
 

@@ -30,6 +30,7 @@ from .models import (
     Provider,
     Quota,
     Team,
+    TeamMembership,
     TokenLog,
     allowed_key_env,
     tag_validator,
@@ -797,6 +798,10 @@ class KeyCapsForm(forms.Form):
         label="Requests in flight at once", required=False, min_value=1, max_value=MAX_REQUESTS,
         help_text="Answers in progress at the same time; the next one waits (429, Retry-After: 1).",
     )
+    team_name = forms.ChoiceField(
+        label="Team that pays", required=False,
+        help_text="Whose team caps this key's requests count against; X-Ceiling-Team on a request overrides it.",
+    )
 
     allowed_features = forms.MultipleChoiceField(
         label="Features it may use", required=False, widget=forms.CheckboxSelectMultiple,
@@ -809,6 +814,7 @@ class KeyCapsForm(forms.Form):
             "max_cost_per_day_usd": dollars_text(key.max_cost_per_day_micro_usd),
             "max_cost_per_month_usd": dollars_text(key.max_cost_per_month_micro_usd),
             "max_in_flight": key.max_in_flight,
+            "team_name": key.team_name,
             "allowed_features": list(key.allowed_features),
         })
         super().__init__(*args, **kwargs)
@@ -819,6 +825,12 @@ class KeyCapsForm(forms.Form):
         # switched-off one stays visible, so unticking it is possible).
         names = set(Feature.objects.exclude(mode=Feature.Mode.BATCH).values_list("name", flat=True))
         self.fields["allowed_features"].choices = [(name, name) for name in sorted(names | set(key.allowed_features))]
+        teams = list(TeamMembership.objects.filter(user_id=key.user_id).order_by("joined_at", "pk")
+                     .values_list("team__name", flat=True))
+        first = f"the team joined first ({teams[0]})" if teams else "no team (the user is in none)"
+        self.fields["team_name"].choices = [("", first), *((name, name) for name in teams)]
+        if key.team_name and key.team_name not in teams:  # left the team since: shown, so it can be changed
+            self.fields["team_name"].choices.append((key.team_name, f"{key.team_name} (no longer a member)"))
 
     def caps(self) -> dict[str, int | list[str] | None]:
         return {
@@ -826,6 +838,7 @@ class KeyCapsForm(forms.Form):
             "max_cost_per_day_micro_usd": to_micro_usd(self.cleaned_data.get("max_cost_per_day_usd")),
             "max_cost_per_month_micro_usd": to_micro_usd(self.cleaned_data.get("max_cost_per_month_usd")),
             "max_in_flight": self.cleaned_data.get("max_in_flight"),
+            "team_name": self.cleaned_data.get("team_name") or "",
             "allowed_features": sorted(self.cleaned_data.get("allowed_features") or []),
         }
 

@@ -21,17 +21,16 @@ import logging
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from functools import lru_cache
 
 import redis
-from django.conf import settings
 from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
-from . import ledger_sql, ledger_writer, redis_clients, refcache
+from . import ledger_sql, ledger_writer, refcache
 from .batching import Batch
-from .counters import AdmitResult, CounterGroup, CounterSpec, CounterStore, Limits, StaleRebuild, Usage, Versions
+from .counter_store import EvictingRedis, counter_store, refuse_evicting_redis  # noqa: F401 - the guard's API
+from .counters import AdmitResult, CounterGroup, CounterSpec, Limits, StaleRebuild, Usage, Versions
 from .live import publish_on_commit
 from .models import (
     CALENDAR_PERIODS,
@@ -48,7 +47,6 @@ from .models import (
     TeamMembership,
     TeamQuota,
     TokenLog,
-    unique_row,
 )
 from .money import format_usd
 from .periods import describe_reset, period_bounds, period_key, seconds_until_reset
@@ -67,50 +65,6 @@ WINDOW_GRACE_S = 600
 
 class GuardUnavailable(RuntimeError):
     pass
-
-
-class EvictingRedis(redis.RedisError):
-    """The counters' Redis may evict keys: a reservation or a counter could vanish, and the ceiling with it.
-
-    A RedisError, so every caller treats it as a Redis it cannot use: admissions are refused (fail
-    closed), settles are left for reconciliation.
-    """
-
-
-SAFE_EVICTION_POLICY = "noeviction"
-
-
-def refuse_evicting_redis(client) -> None:
-    """Raise EvictingRedis unless every node of the counters' Redis has maxmemory-policy noeviction.
-
-    Read from INFO (managed Redis services often disable CONFIG). Counters, reservations and their
-    settle markers carry TTLs, so even the volatile-* policies could evict them.
-    """
-    info = client.info("memory")
-    nodes = info.values() if info and all(isinstance(value, dict) for value in info.values()) else [info]
-    policies = {str(node.get("maxmemory_policy", SAFE_EVICTION_POLICY)) for node in nodes}
-    unsafe = sorted(policies - {SAFE_EVICTION_POLICY})
-    if unsafe:
-        raise EvictingRedis(
-            f"The guard's Redis has maxmemory-policy {', '.join(unsafe)}, which may evict counters and reservations "
-            f"and so break the ceiling; set maxmemory-policy {SAFE_EVICTION_POLICY} on it (and put the answer caches "
-            "on a Redis of their own with CEILING_CACHE_URL)."
-        )
-
-
-@lru_cache(maxsize=1)
-def counter_store() -> CounterStore:
-    """The guard's counters, on a Redis that is checked once per process never to evict them."""
-    # Short timeouts and no retries: when Redis is gone the guard must say so quickly (fail closed).
-    client = redis_clients.sync_client(
-        redis_clients.counters_url(),
-        socket_connect_timeout=settings.CEILING_GUARD_TIMEOUT_S,
-        socket_timeout=settings.CEILING_GUARD_TIMEOUT_S,
-        no_retries=True,
-    )
-    refuse_evicting_redis(client)  # raises: not cached, so the next call checks again
-    return CounterStore(client, wait_replicas=settings.CEILING_COUNTERS_WAIT_REPLICAS,
-                        wait_timeout_ms=settings.CEILING_COUNTERS_WAIT_MS)
 
 
 def provider_month_key(provider_id: int, at: datetime) -> str:
@@ -164,11 +118,19 @@ class Scopes:
         return next((q for q in self.team_quotas if q.feature_id == feature_id and q.period == period), None)
 
 
-def request_scopes(user, api_key=None, tags: tuple[str, ...] = ()) -> Scopes:
-    """The user's team and its caps, and the tags' caps: from this process's reference cache
-    (budgets/refcache.py), else one query for a user without a team, one more for a team's caps,
-    one more for tag caps."""
-    team = refcache.cache.get("team_of_user", ("teammembership", "team"), user.pk, lambda: _team_of(user.pk))
+def request_scopes(user, api_key=None, tags: tuple[str, ...] = (), team_name: str = "") -> Scopes:
+    """The team that pays (below) and its caps, and the tags' caps: from this process's reference
+    cache (budgets/refcache.py), else one query for a user without a team, one more for a team's
+    caps, one more for tag caps.
+
+    A user in several teams pays with one per request: the team `team_name` names (the
+    X-Ceiling-Team header), else the one the API key names, else the team the user joined first.
+    Only that team's caps apply, and the ledger row records it, so each team's counters count
+    exactly the requests it paid for. The API refuses a name the user is not a member of before
+    the guard (team_not_member); should the membership end in between, the first team pays."""
+    wanted = team_name or (getattr(api_key, "team_name", "") or "")
+    team = refcache.cache.get("team_of_user", ("teammembership", "team"), (user.pk, wanted),
+                              lambda: paying_team(user.pk, wanted))
     team_quotas = (
         refcache.cache.get("team_quotas", ("teamquota",), team.pk, lambda: tuple(TeamQuota.objects.filter(team=team)))
         if team else ()
@@ -183,9 +145,10 @@ def request_scopes(user, api_key=None, tags: tuple[str, ...] = ()) -> Scopes:
     return Scopes(team, team_quotas, api_key, tags, tag_quotas)
 
 
-def _team_of(user_id: int) -> Team | None:
-    membership = unique_row(TeamMembership.objects.select_related("team").filter(user_id=user_id))
-    return membership.team if membership else None
+def paying_team(user_id: int, name: str = "") -> Team | None:
+    """The user's team called `name` when they are in it, else the team they joined first, else None."""
+    teams = [m.team for m in TeamMembership.objects.select_related("team").filter(user_id=user_id).order_by("joined_at", "pk")]
+    return next((team for team in teams if team.name == name), teams[0] if teams else None)
 
 
 def applicable_ceilings(
@@ -428,6 +391,7 @@ class AdmissionRequest:
     retrieval: RetrievalFacts | None = None  # a docs feature's request: what retrieval added to its prompt
     api_key: object | None = None  # accounts.ApiKey the request came with (the /v1 API); its caps apply
     tags: tuple[str, ...] = ()  # validated names (budgets.models.TAG_RE), at most MAX_TAGS
+    team: str = ""  # the team the caller asked to pay (X-Ceiling-Team); empty: the key's, else the first joined
 
 
 @dataclass
@@ -470,7 +434,7 @@ def candidate(request: AdmissionRequest, feature: Feature, provider: Provider | 
               now: datetime, scopes: Scopes | None = None) -> Candidate:
     provider = provider or feature.provider or refcache.cache.get("default_provider", ("provider",), None, Provider.default)
     if scopes is None:
-        scopes = request_scopes(request.user, request.api_key, request.tags)
+        scopes = request_scopes(request.user, request.api_key, request.tags, request.team)
     ceilings = admission_ceilings(request.user, feature, provider, now, request.loop, scopes)
     return Candidate(feature, provider, model, max_tokens, price_in_force(provider, model, now), ceilings)
 
@@ -544,7 +508,7 @@ STALE_ATTEMPTS = 3
 
 def _candidates(request: AdmissionRequest, now: datetime) -> tuple[Scopes, Candidate, Candidate | None]:
     """Who the request counts against, and the ceilings of its feature and of its fallback."""
-    scopes = request_scopes(request.user, request.api_key, request.tags)
+    scopes = request_scopes(request.user, request.api_key, request.tags, request.team)
     primary = candidate(request, request.feature, request.provider, request.model, request.max_tokens, now, scopes)
     # Its ceilings are read even when the primary will fit: one Lua call decides both, atomically.
     offered = request.fallback

@@ -324,13 +324,18 @@ class Team(models.Model):
 
 
 class TeamMembership(models.Model):
-    """A user is in at most one team: the user is the key."""
+    """A user in a team. A user may be in several: each request is paid by one of them (the team its
+    API key or the X-Ceiling-Team header names, else the one the user joined first) and counts
+    against that team's caps only (budgets/guard.py request_scopes)."""
 
     objects = ReferenceQuerySet.as_manager()
 
-    user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="team_membership")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="team_memberships")
     team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
     joined_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["user", "team"], name="one_membership_per_user_and_team")]
 
     def __str__(self) -> str:
         return f"{self.user} in {self.team}"

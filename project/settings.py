@@ -251,7 +251,7 @@ if CEILING_CORS_ORIGINS:
     CORS_ALLOW_HEADERS = (*default_headers, "openai-organization", "openai-project", "openai-beta", "x-stainless-arch",
                           "x-stainless-lang", "x-stainless-os", "x-stainless-package-version", "x-stainless-retry-count",
                           "x-stainless-runtime", "x-stainless-runtime-version", "x-stainless-timeout", "x-stainless-async",
-                          "x-stainless-helper-method")
+                          "x-stainless-helper-method", "x-ceiling-team")
     CORS_EXPOSE_HEADERS = ["x-request-id", "x-should-retry", "retry-after", "x-ceiling-fallback", "x-ceiling-fallback-model",
                            *(f"x-ratelimit-{what}-{metric}" for what in ("limit", "remaining", "reset") for metric in ("requests", "tokens"))]
 

@@ -90,11 +90,9 @@ def users(request: HttpRequest) -> HttpResponse:
     return render(request, "budgets/users.html", {"page": page, "rows": rows, "search": search, "query": query})
 
 
-def _team_of(person):
-    try:
-        return person.team_membership.team
-    except TeamMembership.DoesNotExist:
-        return None
+def _teams_of(person) -> list:
+    """The person's teams, the one that pays by default (joined first) first."""
+    return [m.team for m in TeamMembership.objects.filter(user=person).select_related("team").order_by("joined_at", "pk")]
 
 
 def with_forecast(row: list[Gauge], projection) -> list[Gauge]:
@@ -106,8 +104,7 @@ def with_forecast(row: list[Gauge], projection) -> list[Gauge]:
 
 @staff_required
 def user_detail(request: HttpRequest, user_id: int) -> HttpResponse:
-    # With the user's team, if any, in the same query (a reverse one-to-one).
-    person = get_object_or_404(get_user_model().objects.select_related("team_membership__team"), pk=user_id)
+    person = get_object_or_404(get_user_model(), pk=user_id)
     features = list(Feature.objects.order_by("name"))
     quotas = list(Quota.objects.filter(Q(user=person) | Q(user__isnull=True)))
     data = request.POST if request.method == "POST" else None
@@ -129,7 +126,7 @@ def user_detail(request: HttpRequest, user_id: int) -> HttpResponse:
         summary.append({"label": label, "own": own, "gauges": row})
     context = {"person": person, "scopes": _scopes(forms), "summary": summary, "for_user": True,
                "keys": person.api_keys.filter(revoked_at__isnull=True),
-               "team": _team_of(person), "in_flight_form": in_flight}
+               "teams": _teams_of(person), "in_flight_form": in_flight}
     return render(request, "budgets/user_detail.html", context)
 
 

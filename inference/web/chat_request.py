@@ -517,6 +517,7 @@ def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, promp
         retrieved=facts,
         api_key=frame.api_key,
         tags=frame.tags,
+        team=frame.team,
     )
     if decision.admitted:
         mark(request_id, "admitted")
