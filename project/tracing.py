@@ -180,10 +180,13 @@ def enter(span: Span | None) -> None:
 
 
 def end_chat(span: Span | None, last_event: dict | None) -> None:
-    """End the chat's span with how it ended: done, refused (with its code) or error."""
+    """End the chat's span with how it ended: done, refused (with its code), error, or closed (the
+    caller went away before the end)."""
     if span is None:
         return
-    outcome = (last_event or {}).get("type", "closed")
+    outcome = (last_event or {}).get("type")
+    if outcome not in ("done", "refused", "error"):
+        outcome = "closed"
     span.set_attribute("ceiling.outcome", outcome)
     if last_event and last_event.get("code"):
         span.set_attribute("ceiling.code", str(last_event["code"]))

@@ -322,3 +322,19 @@ def test_an_otlp_endpoint_switches_tracing_on_and_otel_sdk_disabled_off():
 def test_a_tracing_setting_that_cannot_work_is_refused_at_start(env, message):
     done = run_manage("check", **env)
     assert done.returncode != 0 and message in done.stderr
+
+
+@pytest.mark.parametrize(("last_event", "outcome", "status"), [
+    ({"type": "done"}, "done", "UNSET"),
+    ({"type": "refused", "code": "user_tokens_per_day"}, "refused", "UNSET"),
+    ({"type": "error", "code": "internal"}, "error", "ERROR"),
+    ({"type": "token", "text": "Hel"}, "closed", "UNSET"),  # the socket closed mid-answer
+    (None, "closed", "UNSET"),  # closed before the first event
+])
+def test_a_chat_span_says_how_the_chat_ended(memory, last_event, outcome, status):
+    contextvars.copy_context().run(lambda: tracing.end_chat(tracing.start_chat("r-6", "chat"), last_event))
+
+    (chat_span,) = memory()
+    assert chat_span.attributes["ceiling.outcome"] == outcome
+    assert chat_span.attributes.get("ceiling.code") == (last_event or {}).get("code")
+    assert chat_span.status.status_code.name == status
