@@ -34,7 +34,7 @@ from budgets.models import Quota, TokenLog
 from project import stack as processes
 from project import tracing
 from tests.conftest import session_cookie, start_stack, wait_for
-from tests.wsclient import chat, chat_frame
+from tests.wsclient import chat, chat_frame, chat_socket, next_frame, send
 
 QUEUE = "inference-tracing"
 STAGES = {"chat", "guard", "queue", "prefill", "decode", "settle"}
@@ -117,7 +117,8 @@ def spans_of(request_id: str) -> list[ReceivedSpan]:
 
 
 def trace_of(request_id: str, stages: set[str]) -> list[ReceivedSpan]:
-    """Every span of the one trace that holds this request's stages, once they have all been exported."""
+    """Every span of the one trace that holds this request's stages, once they have all been exported
+    and every span's parent with them (each process exports in its own batches, a parent after its children)."""
 
     def exported() -> list[ReceivedSpan] | None:
         own = spans_of(request_id)
@@ -126,9 +127,21 @@ def trace_of(request_id: str, stages: set[str]) -> list[ReceivedSpan]:
         trace_ids = {s.trace_id for s in own}
         assert len(trace_ids) == 1, f"the request's spans are in {len(trace_ids)} traces"
         with Receiver.lock:
-            return [s for s in Receiver.spans if s.trace_id in trace_ids]
+            spans = [s for s in Receiver.spans if s.trace_id in trace_ids]
+        return spans if not orphans(spans) else None
 
-    return wait_for(exported, timeout=20)
+    try:
+        return wait_for(exported, timeout=20)
+    except pytest.fail.Exception:
+        trace_ids = {s.trace_id for s in spans_of(request_id)}
+        with Receiver.lock:
+            found = [(s.name, s.parent_id in {o.span_id for o in Receiver.spans}) for s in Receiver.spans if s.trace_id in trace_ids]
+        pytest.fail(f"the trace of {request_id} stayed incomplete: (span, parent found) {found}")
+
+
+def orphans(spans: list[ReceivedSpan]) -> list[str]:
+    ids = {s.span_id for s in spans}
+    return [s.name for s in spans if s.parent_id and s.parent_id not in ids]
 
 
 def by_name(spans: list[ReceivedSpan]) -> dict[str, ReceivedSpan]:
@@ -140,11 +153,9 @@ def by_name(spans: list[ReceivedSpan]) -> dict[str, ReceivedSpan]:
 
 def assert_one_connected_tree(spans: list[ReceivedSpan]) -> ReceivedSpan:
     """One root, and every other span's parent is in the trace; returns the root."""
-    ids = {s.span_id for s in spans}
     roots = [s for s in spans if not s.parent_id]
     assert len(roots) == 1, [s.name for s in roots]
-    orphans = [s.name for s in spans if s.parent_id and s.parent_id not in ids]
-    assert not orphans, f"spans whose parent is not in the trace: {orphans}"
+    assert not orphans(spans), f"spans whose parent is not in the trace: {orphans(spans)}"
     return roots[0]
 
 
@@ -214,6 +225,29 @@ def test_a_refused_chat_is_a_trace_of_its_guard_alone(traced_stack, bob, chat_fe
     assert named["guard"].attributes["ceiling.code"] == refused["code"] == named["chat"].attributes["ceiling.code"]
     assert named["chat"].attributes["ceiling.outcome"] == "refused"
     assert not {"queue", "prefill", "decode", "settle"} & set(named), "a refused chat never reached a worker"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_chat_closed_mid_answer_is_one_trace_with_its_decode_cancelled(traced_stack, alice, chat_feature):
+    cookie = session_cookie(alice)
+
+    async def scenario():
+        async with chat_socket(traced_stack, cookie) as ws:
+            await send(ws, chat_frame("Write a very long story about a lighthouse keeper.", 400))
+            accepted = await next_frame(ws)
+            await next_frame(ws)  # its first token; then the socket closes
+        return accepted["request_id"]
+
+    request_id = asyncio.run(scenario())
+
+    spans = trace_of(request_id, STAGES)
+
+    assert_one_connected_tree(spans)
+    named = by_name(spans)
+    assert named["chat"].attributes["ceiling.outcome"] == "closed"
+    assert named["decode"].attributes["ceiling.finish_reason"] == "cancelled"
+    assert 1 <= named["decode"].attributes["ceiling.completion_tokens"] < 400
+    assert named["settle"].attributes["ceiling.status"] == TokenLog.Status.CANCELLED
 
 
 # --- in this process, with an in-memory exporter -------------------------------------------------------
