@@ -12,6 +12,7 @@ from celery.signals import celeryd_after_setup, worker_init, worker_shutdown
 from django.conf import settings
 
 from budgets.reconcile import reconcile_forever
+from project import tracing
 from project.logs import request_context
 
 from .bus.cancel import listen_for_cancellations
@@ -51,6 +52,7 @@ def generate(request_id: str, reply_to: str = "") -> None:
     # Every line logged while it runs (the generation, its settle) names the request, as the web
     # process's lines about it do (project/logs.py).
     with request_context(request_id):
+        tracing.record_queue_wait(request_id, generate.request)
         log.info("generation picked up")
         run_generation(request_id, reply_to)
         log.info("generation settled")

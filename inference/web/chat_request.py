@@ -65,6 +65,7 @@ from inference.web.tokenizer import (
     input_too_long_by_size,
     model_name,
 )
+from project import tracing
 from project.logs import request_id_var
 
 log = logging.getLogger(__name__)
@@ -92,21 +93,30 @@ async def run_chat(user: AbstractBaseUser, frame: ChatFrame, request_id: str | N
     # threads its sync_to_async calls run in. Set again after each event: the caller's context is
     # the one in force between two of them (a streamed HTTP answer is iterated after its view returned).
     request_id_var.set(request_id)
+    # The chat's trace (project/tracing.py): None, and nothing recorded, unless tracing is on. Current
+    # in the same places as the request id, so the guard's and the dispatch's spans are its children.
+    span = tracing.start_chat(request_id, frame.feature)
+    tracing.enter(span)
+    last: dict | None = None
     try:
         async with aclosing(_admit_and_stream(request_id, user, frame)) as events:
-            async for event in events:
-                if event["type"] in LOGGED_EVENTS:
-                    log.info("chat %s%s", event["type"], f" ({event['code']})" if event.get("code") else "")
-                yield event
+            async for last in events:
+                if last["type"] in LOGGED_EVENTS:
+                    log.info("chat %s%s", last["type"], f" ({last['code']})" if last.get("code") else "")
+                yield last
                 request_id_var.set(request_id)
+                if span is not None:
+                    tracing.enter(span)
     except DatabaseError as exc:
         # Before admission nothing was written; a row admitted just before the outage is settled
         # by the worker (it retries its ledger write) or, failing that, by reconciliation.
         log.warning("chat request %s: database unavailable: %s", request_id, exc)
-        yield dict(DATABASE_UNAVAILABLE)
+        yield (last := dict(DATABASE_UNAVAILABLE))
     except Exception:
         log.exception("chat request %s failed", request_id)
-        yield dict(INTERNAL_ERROR)
+        yield (last := dict(INTERNAL_ERROR))
+    finally:
+        tracing.end_chat(span, last)
 
 
 async def _admit_and_stream(request_id: str, user: AbstractBaseUser, frame: ChatFrame) -> AsyncIterator[dict]:
@@ -501,7 +511,17 @@ def get_feature(name: str) -> Feature | None:
 def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, prompt_tokens, max_tokens, loop, facts=None) -> Decision:
     fallback = fallback_for(feature, frame, prompt_tokens)
     prompt_ids, prompt_tokens = prompt_for_fallback(feature, fallback, frame, prompt_ids, prompt_tokens)
-    decision = do_admit_request(
+    with tracing.span("guard", request_id, prompt_tokens=prompt_tokens, max_tokens=max_tokens) as span:
+        decision = _admit(request_id, user, feature, frame, prompt_ids, prompt_tokens, max_tokens, loop, fallback, facts)
+        tracing.annotate(span, admitted=decision.admitted, code=decision.code or None,
+                         fell_back_to=decision.fell_back_to.name if decision.fell_back_to else None)
+    if decision.admitted:
+        mark(request_id, "admitted")
+    return decision
+
+
+def _admit(request_id, user, feature, frame: ChatFrame, prompt_ids, prompt_tokens, max_tokens, loop, fallback, facts) -> Decision:
+    return do_admit_request(
         request_id=request_id,
         user=user,
         feature=feature,
@@ -519,9 +539,6 @@ def admit_request(request_id, user, feature, frame: ChatFrame, prompt_ids, promp
         tags=frame.tags,
         team=frame.team,
     )
-    if decision.admitted:
-        mark(request_id, "admitted")
-    return decision
 
 
 @database_sync_to_async
@@ -611,7 +628,8 @@ def dispatch_generation(request_id: str, reply_to: str, variant: str | None = No
     # Stamped before the publish: a free worker can start the task before apply_async returns here.
     publishing_at = time.time()
     try:
-        generate.apply_async(args=[request_id, reply_to], queue=queue, retry=False)
+        # The trace context goes in the task's headers (Celery's instrumentation), with the publish time.
+        generate.apply_async(args=[request_id, reply_to], queue=queue, retry=False, headers=tracing.enqueue_headers())
     except Exception as exc:
         # Never leave an admitted request holding its reservation because the broker was away.
         fail_undispatched(request_id, str(exc))
@@ -628,8 +646,9 @@ def finish_undispatched(request_id: str, status: str, prompt_tokens: int, finish
     from django.db import close_old_connections
 
     close_old_connections()
-    do_finish_request(
-        request_id, status=status, prompt_tokens=prompt_tokens, completion_ids=[], text="",
-        finish_reason=finish_reason, ttft_ms=None, error=error,
-    )
-    settle_reservation(request_id)
+    with tracing.span("settle", request_id, status=status):
+        do_finish_request(
+            request_id, status=status, prompt_tokens=prompt_tokens, completion_ids=[], text="",
+            finish_reason=finish_reason, ttft_ms=None, error=error,
+        )
+        settle_reservation(request_id)
