@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: POST /v1/chat/completions and GET /v1/models.
 
 Authenticated by per-user API keys (`Authorization: Bearer ck_…`, accounts/models.py). A completion
-goes through the same chat request code as the websocket (inference/web/chat_request.py): the same validation, guard,
+goes through the same chat request code as the websocket (inference/chat/, the pipeline): the same validation, guard,
 ledger rows and cancellation. The chat request's first event decides the status code, so a refusal is a
 429 (or 400/403/503, see `refusal_status`) even when a stream was asked for; after `accepted` the
 answer is either collected into one chat.completion or streamed as server-sent events. An extract
@@ -34,9 +34,11 @@ from budgets.models import Feature, TeamMembership
 from project.logs import request_context
 from project.proxies import client_address
 
+from .chat.events import INTERNAL_ERROR
+from .chat.pipeline import run_chat
+from .chat.route import get_feature
 from .models import ModelAlias
 from .web import embeddings as embeddings_lib
-from .web.chat_request import INTERNAL_ERROR, get_feature, run_chat
 from .web.frames import DEFAULT_FEATURE, ChatFrame, FrameError, loads_limited, parse_chat
 from .web.params import ParamError, parse_params
 from .web.ratelimits import rate_limit_headers

@@ -68,7 +68,7 @@ class StreamInbox:
                 return []
             return [first[1], *(await client.lpop(self.key, self.DRAIN) or [])]
         except redis.RedisError as exc:
-            # What is lost meanwhile, each request recovers from the ledger (chat_request._relay).
+            # What is lost meanwhile, each request recovers from the ledger (inference/chat/relay.py).
             log.warning("reading the stream inbox %s failed (%s); retrying in 1 s", self.key, exc)
             await asyncio.sleep(1.0)
             return []

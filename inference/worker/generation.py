@@ -66,7 +66,7 @@ def run_generation(request_id: str, reply_to: str = "") -> None:
     """Generate, settle the ledger, and always settle the guard's reservation (in the finally).
 
     reply_to is the inbox of the web process waiting for the frames (bus/inbox.py); "" when
-    nobody waits (batch jobs, refinement loops): the answer goes only to the ledger.
+    nobody waits (batch jobs): the answer goes only to the ledger.
     """
     try:
         _generate(request_id, reply_to)
