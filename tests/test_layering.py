@@ -4,6 +4,8 @@
     budgets           may import accounts, never inference (inference listens to budgets.signals)
     inference.engine  the model runtime: no Django, Channels, Celery, nor any app, nor the rest of
                       inference (so it can run and be benchmarked on its own)
+    no circles        no two modules of ours import each other, directly or through others: each
+                      file can be read, and tested, after the ones it imports
 
 Every import counts, also those inside functions and under TYPE_CHECKING: a function-local import
 is still a dependency, only a later one. Relative imports are resolved against the file's package.
@@ -155,3 +157,95 @@ def test_imports_inside_functions_and_from_parent_packages_are_found(tmp_path):
         "inference/engine/loop.py:3 from .. import metrics  (→ inference.metrics)",
         "inference/engine/loop.py:5 from django.conf import settings",
     ]
+
+
+APP_FOLDERS = ("accounts", "budgets", "inference", "project")
+
+
+def module_name(file: Path) -> str:
+    name = ".".join(file.with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def import_graph(root: Path = ROOT, folders: tuple[str, ...] = APP_FOLDERS) -> dict[str, dict[str, Import]]:
+    """module → {module it imports: the first import statement that does}, for our own modules.
+
+    `from pkg import name` counts as importing pkg.name when that is a module, else pkg. A module's
+    import of its own package (`from . import x` reaching inference/__init__.py) is not an edge:
+    the package is run before any of its modules anyway."""
+    files = {module_name(file): file for folder in folders for file in python_files(root, folder)}
+    graph: dict[str, dict[str, Import]] = {name: {} for name in files}
+    for name, file in files.items():
+        for found in imports_in(root, file):
+            target = found.target
+            while target and target not in files:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                graph[name].setdefault(target, found)
+    return graph
+
+
+def circles(graph: dict[str, dict[str, Import]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(graph[start]))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(graph[child])))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def describe(group: list[str], graph: dict[str, dict[str, Import]]) -> str:
+    """A circle with the import statements that close it."""
+    members = set(group)
+    lines = [str(found) for name in group for target, found in graph[name].items() if target in members]
+    return " ↔ ".join(group) + "\n    " + "\n    ".join(lines)
+
+
+def test_no_two_modules_import_each_other():
+    graph = import_graph()
+    found = circles(graph)
+    assert not found, "import circles (move what both sides need into a lower module):\n" + "\n".join(
+        describe(group, graph) for group in found)
+
+
+def test_a_circle_through_a_function_local_import_is_found(tmp_path):
+    web = tmp_path / "inference" / "web"
+    web.mkdir(parents=True)
+    (web / "frames.py").write_text("from .params import parse\n")
+    (web / "params.py").write_text("def parse():\n    from .frames import storable\n")
+    (web / "text.py").write_text("import json\n")
+    graph = import_graph(tmp_path, ("inference",))
+    assert circles(graph) == [["inference.web.frames", "inference.web.params"]]

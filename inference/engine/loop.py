@@ -277,7 +277,7 @@ class Engine:
         # kill the manager's loop.
         engine_id = f"{request_id}#{uuid.uuid4().hex[:8]}"
         eos_ids = set(self.eos_ids_list())
-        handle = RequestHandle(self, request_id, engine_id, eos_ids, listener)
+        handle = RequestHandle(self.cancel, request_id, engine_id, eos_ids, listener)
         handle.prompt_tokens = len(input_ids)
         handle.submitted_at = time.monotonic()
         with self._lock:

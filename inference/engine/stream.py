@@ -6,12 +6,9 @@ import queue
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 from .config import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, EngineError
 
-if TYPE_CHECKING:
-    from .loop import Engine
 
 @dataclass
 class StreamEvent:
@@ -70,9 +67,11 @@ class RequestHandle:
     request), and the submitter only waits for the end with wait_end().
     """
 
-    def __init__(self, engine: Engine, request_id: str, engine_id: str, eos_ids: set[int],
+    def __init__(self, cancel: Callable[[str], object], request_id: str, engine_id: str, eos_ids: set[int],
                  listener: Callable[[StreamEvent], None] | None = None) -> None:
-        self.engine = engine
+        # The engine's cancel (Engine.cancel), for a reader that gives up waiting: the stream needs
+        # nothing else of the engine, which builds it (loop.py imports this module, not the reverse).
+        self.cancel = cancel
         self.request_id = request_id
         self.engine_id = engine_id
         self.eos_ids = eos_ids
@@ -89,7 +88,7 @@ class RequestHandle:
             try:
                 item = self.outputs.get(timeout=timeout)
             except queue.Empty:
-                self.engine.cancel(self.request_id)
+                self.cancel(self.request_id)
                 raise EngineError(f"the engine produced nothing for {timeout:.0f} s") from None
             event = self._to_event(item)
             if event.new_tokens or event.finished:
