@@ -5,5 +5,4 @@ from . import pages
 # Mounted at /staff/tokens/ (project/urls.py), beside the other staff pages.
 urlpatterns = [
     path("", pages.tokens, name="staff-tokens"),
-    path("<int:token_id>/revoke/", pages.revoke_token, name="staff-token-revoke"),
 ]

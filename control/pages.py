@@ -7,7 +7,6 @@ from django import forms
 from django.contrib import messages
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
-from django.views.decorators.http import require_POST
 
 from budgets.permissions import staff_required
 
@@ -21,6 +20,9 @@ class StaffTokenForm(forms.Form):
 
 @staff_required
 def tokens(request: HttpRequest) -> HttpResponse:
+    """GET: the list; POST with `name`: a new token for you, shown once; POST with `revoke`: revoke that token."""
+    if request.method == "POST" and "revoke" in request.POST:
+        return _revoke(request)
     form = StaffTokenForm(request.POST or None)
     created = None
     if form.is_bound and form.is_valid():
@@ -35,10 +37,9 @@ def tokens(request: HttpRequest) -> HttpResponse:
     return response
 
 
-@staff_required
-@require_POST
-def revoke_token(request: HttpRequest, token_id: int) -> HttpResponse:
-    token = get_object_or_404(StaffToken.objects.select_related("user"), pk=token_id)
+def _revoke(request: HttpRequest) -> HttpResponse:
+    token_id = request.POST["revoke"]
+    token = get_object_or_404(StaffToken.objects.select_related("user"), pk=token_id if token_id.isdigit() else 0)
     if do_revoke_staff_token(request.user, token):
         messages.success(request, f"Revoked the staff token {token.name!r} ({token.prefix}…); it stops working at once.")
     else:

@@ -318,7 +318,7 @@ def test_a_revoked_token_stops_at_once_and_the_staff_page_manages_tokens(live_st
     assert httpx.get(f"{live_stack.http_url}/manage/v1/features", headers=headers).status_code == 200
 
     token = StaffToken.objects.get(name="terraform")
-    assert page.post(reverse("staff-token-revoke", args=[token.pk])).status_code == 302
+    assert page.post(reverse("staff-tokens"), {"revoke": token.pk}).status_code == 302
     assert httpx.get(f"{live_stack.http_url}/manage/v1/features", headers=headers).status_code == 401
     assert set(AuditEntry.objects.filter(target=token.audit_target).values_list("action", "field")) == {
         ("create", "name"), ("create", "prefix"), ("update", "revoked_at")}
