@@ -227,7 +227,8 @@ def _caps(body: dict) -> dict[str, int | None]:
 
 
 def _set_user_quota(request, body, period, caps) -> int:
-    _unknown_fields(body, ("scope", "user", "feature", "period", *CAP_FIELDS))
+    names = ("user", "feature") if body["scope"] == "user" else ("feature",)  # the default names nobody
+    _unknown_fields(body, ("scope", *names, "period", *CAP_FIELDS))
     user = _user(_text(body, "user")) if body["scope"] == "user" else None
     feature = _feature(_text(body, "feature", required=False))
     return len(do_set_quota(request.actor, user=user, feature=feature, period=period, caps=caps))
@@ -408,8 +409,12 @@ def _user_usage(username: str, now) -> dict:
     quotas = Quota.objects.filter(Q(user=person) | Q(user__isnull=True), feature__isnull=True)
     scoped = {(q.user_id is not None, q.period): q for q in quotas}
     total = total_usage(list(per_feature.values()))
-    return {"periods": _periods(total, lambda period: caps_payload(effective_caps(scoped, period)[0]) | {
-        "own": effective_caps(scoped, period)[1]}), "features": _by_feature(per_feature)}
+
+    def caps_in_force(period: str) -> dict:
+        caps, own = effective_caps(scoped, period)
+        return caps_payload(caps) | {"own": own}
+
+    return {"periods": _periods(total, caps_in_force), "features": _by_feature(per_feature)}
 
 
 def _everyone_usage(_name: str, now) -> dict:
