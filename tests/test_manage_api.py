@@ -397,3 +397,36 @@ def test_the_openapi_document_lists_every_path_with_its_refusals(live_stack):
             assert {"401", "403", "405"} <= set(operation["responses"]), (path, method)
             if "requestBody" in operation:
                 assert {"400", "413"} <= set(operation["responses"]), (path, method)
+
+
+# --- generated requests: never a 500, every answer documented ------------------------------------
+
+
+def test_generated_requests_get_documented_answers_and_never_a_500(live_stack, token, alice, chat_feature):
+    """Schemathesis draws well-formed and malformed requests for every operation of the document (as
+    tests/test_api_fuzz.py does for /v1); each answer's status and content type must be documented."""
+    import requests
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis import GenerationMode
+    from schemathesis.specs.openapi.checks import content_type_conformance, status_code_conformance
+
+    from control.openapi import openapi_document
+
+    schema = schemathesis.openapi.from_dict(openapi_document())
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {token}"
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=120, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(case=schema.as_strategy(GenerationMode.POSITIVE) | schema.as_strategy(GenerationMode.NEGATIVE))
+    def fuzz(case):
+        response = case.call(base_url=live_stack.http_url, session=session, timeout=60)
+        seen[response.status_code] = seen.get(response.status_code, 0) + 1
+        assert response.status_code != 500, f"{case.method} {case.formatted_path}: {response.text[:300]}"
+        case.validate_response(response, checks=[status_code_conformance, content_type_conformance])
+
+    fuzz()
+    print("statuses:", dict(sorted(seen.items())))
+    assert set(seen) & {200, 201} and set(seen) & {400, 404}
