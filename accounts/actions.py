@@ -42,7 +42,8 @@ def create_successor(key: ApiKey, now: datetime) -> tuple[ApiKey, str]:
     lifetime = key.expires_at - key.created_at if key.expires_at is not None else None
     inherited = {name: getattr(key, name) for name in KEY_CAP_FIELDS}
     return do_create_api_key(key.user, key.name, expires_at=now + lifetime if lifetime else None,
-                             allowed_features=list(key.allowed_features), rotated_from=key, **inherited)
+                             allowed_features=list(key.allowed_features), team_name=key.team_name, rotated_from=key,
+                             **inherited)
 
 
 def do_revoke_api_key(key: ApiKey) -> bool:

@@ -19,7 +19,7 @@ KEY_PREFIX = "ck_"
 SHOWN_CHARS = 8  # of the key, kept in the clear so a person can tell their keys apart
 
 
-KEY_CAP_FIELDS = ("max_requests_per_day", "max_cost_per_day_micro_usd", "max_cost_per_month_micro_usd")
+KEY_CAP_FIELDS = ("max_requests_per_day", "max_cost_per_day_micro_usd", "max_cost_per_month_micro_usd", "max_in_flight")
 
 
 def hash_key(plaintext: str) -> str:
@@ -69,6 +69,11 @@ class ApiKey(models.Model):
     max_requests_per_day = models.PositiveIntegerField(null=True, blank=True)
     max_cost_per_day_micro_usd = models.PositiveBigIntegerField(null=True, blank=True)
     max_cost_per_month_micro_usd = models.PositiveBigIntegerField(null=True, blank=True)
+    # Requests sent with this key that may be unanswered at once (admitted, not yet settled).
+    max_in_flight = models.PositiveIntegerField(null=True, blank=True)
+    # The team that pays for this key's requests, by name (accounts sits below budgets, where teams
+    # live): one of its user's teams; empty means the team the user joined first.
+    team_name = models.CharField(max_length=64, blank=True, default="")
 
     objects = ApiKeyQuerySet.as_manager()
 

@@ -14,13 +14,14 @@ from django.utils import timezone
 from accounts.actions import create_successor
 from accounts.models import ApiKey
 
-from . import ledger_sql, refcache
+from . import delivery, ledger_sql, refcache
 from .live import publish_on_commit
 from .models import (
     Alert,
     AlertWebhook,
     AuditEntry,
     Feature,
+    InFlightCap,
     ModelPrice,
     Provider,
     Quota,
@@ -224,22 +225,10 @@ def do_raise_alert(
         # robust: a broker that is away must not fail the caller (the settling of a request), and
         # one channel's task failing to queue must not keep the next from queueing; the rows stay
         # unsent and visible, and the sweeper queues them again.
-        transaction.on_commit(lambda: _queue_alert_email(alert.id), robust=True)
-        for delivery in deliveries:
-            transaction.on_commit(lambda delivery_id=delivery.id: _queue_webhook(delivery_id), robust=True)
+        transaction.on_commit(lambda: delivery.queue_alert_email(alert.id), robust=True)
+        for row in deliveries:
+            transaction.on_commit(lambda delivery_id=row.id: delivery.queue_webhook(delivery_id), robust=True)
     return alert
-
-
-def _queue_alert_email(alert_id: int) -> None:
-    from .tasks import send_alert_email  # tasks imports this module
-
-    send_alert_email.delay(alert_id)
-
-
-def _queue_webhook(delivery_id: int) -> None:
-    from .tasks import send_alert_webhook  # tasks imports this module
-
-    send_alert_webhook.delay(delivery_id)
 
 
 def do_claim_alert(alert_id: int) -> Alert | None:
@@ -294,14 +283,14 @@ def do_requeue_unsent_alerts(stale_after_s: int = 300) -> int:
     WebhookDelivery.objects.filter(sent_at__isnull=True, claimed_at__lt=stale).update(claimed_at=None)
     waiting = list(Alert.objects.filter(sent_at__isnull=True, claimed_at__isnull=True).values_list("id", flat=True))
     for alert_id in waiting:
-        _queue_alert_email(alert_id)
+        delivery.queue_alert_email(alert_id)
     hooks = list(
         WebhookDelivery.objects.filter(sent_at__isnull=True, gave_up_at__isnull=True, claimed_at__isnull=True)
         .filter(webhook_retry_overdue(now))
         .values_list("id", flat=True)
     )
     for delivery_id in hooks:
-        _queue_webhook(delivery_id)
+        delivery.queue_webhook(delivery_id)
     return len(waiting) + len(hooks)
 
 
@@ -498,12 +487,12 @@ def team_quota_target(team: Team, feature: Feature | None, period: str) -> str:
 
 
 def do_create_team(actor: AbstractBaseUser | None, name: str, members: Iterable[AbstractBaseUser] = ()) -> tuple[Team, list[AuditEntry]]:
-    """A new team, with its first members (each moved from any team they were in), audited."""
+    """A new team, with its first members (who stay in any other team they are in), audited."""
     with transaction.atomic():
         team = Team.objects.create(name=name)
         entries = _record(actor, "create", f"team {team.name}", {"name": ("", team.name)})
         for user in members:
-            entries += do_set_team(actor, user, team)
+            entries += do_join_team(actor, user, team)
         return team, entries
 
 
@@ -530,7 +519,7 @@ def do_delete_team(actor: AbstractBaseUser | None, team: Team) -> list[AuditEntr
         team = Team.objects.select_for_update().get(pk=team.pk)
         entries = []
         for membership in TeamMembership.objects.filter(team=team).select_related("user").order_by("user_id"):
-            entries += do_set_team(actor, membership.user, None)
+            entries += do_leave_team(actor, membership.user, team)
         caps = TeamQuota.objects.filter(team=team).count()
         hooks = team.webhooks.count()
         entries += _record(actor, "delete", f"team {team.name}", {
@@ -540,26 +529,52 @@ def do_delete_team(actor: AbstractBaseUser | None, team: Team) -> list[AuditEntr
         return entries
 
 
-def do_set_team(actor: AbstractBaseUser | None, user: AbstractBaseUser, team: Team | None) -> list[AuditEntry]:
-    """Put a user in a team (out of any other: a user is in at most one), or out of every team (None).
+def do_join_team(actor: AbstractBaseUser | None, user: AbstractBaseUser, team: Team) -> list[AuditEntry]:
+    """Add a user to a team (they stay in their other teams); audited, nothing when already in it."""
+    with transaction.atomic():
+        before = _locked_team_names(user)
+        if team.name in before:
+            return []
+        TeamMembership.objects.create(user=user, team=team)
+        return _record_teams(actor, user, before)
+
+
+def do_leave_team(actor: AbstractBaseUser | None, user: AbstractBaseUser, team: Team) -> list[AuditEntry]:
+    """Take a user out of one team; audited, nothing when they were not in it.
 
     The ledger rows already written keep the team they were admitted under, so the team's counters
-    and a rebuild from the ledger agree whenever someone moves.
+    and a rebuild from the ledger agree whenever someone leaves.
     """
     with transaction.atomic():
-        current = unique_row(TeamMembership.objects.select_for_update().select_related("team").filter(user_id=user.pk))
-        before = current.team if current else None
-        if (before.pk if before else None) == (team.pk if team else None):
+        before = _locked_team_names(user)
+        if not TeamMembership.objects.filter(user=user, team=team).delete()[0]:
             return []
-        if team is None:
-            current.delete()
-        elif current is None:
+        return _record_teams(actor, user, before)
+
+
+def do_set_team(actor: AbstractBaseUser | None, user: AbstractBaseUser, team: Team | None) -> list[AuditEntry]:
+    """Make `team` the user's only team (out of every other), or take them out of every team (None)."""
+    with transaction.atomic():
+        before = _locked_team_names(user)
+        if before == ([team.name] if team else []):
+            return []
+        TeamMembership.objects.filter(user=user).exclude(team=team).delete()
+        if team is not None and team.name not in before:
             TeamMembership.objects.create(user=user, team=team)
-        else:
-            current.team = team
-            current.save(update_fields=["team"])
-        change = {"team": (before.name if before else "none", team.name if team else "none")}
-        return _record(actor, "update", f"user {user.get_username()}", change)
+        return _record_teams(actor, user, before)
+
+
+def _locked_team_names(user: AbstractBaseUser) -> list[str]:
+    """The user's teams, first joined first, with their membership rows locked (on PostgreSQL) so
+    that two changes at once each audit what the other left."""
+    rows = TeamMembership.objects.select_for_update().filter(user_id=user.pk).order_by("joined_at", "pk")
+    return [m.team.name for m in rows.select_related("team")]
+
+
+def _record_teams(actor: AbstractBaseUser | None, user: AbstractBaseUser, before: list[str]) -> list[AuditEntry]:
+    after = list(TeamMembership.objects.filter(user_id=user.pk).order_by("joined_at", "pk").values_list("team__name", flat=True))
+    change = {"team": (", ".join(before) or "none", ", ".join(after) or "none")}
+    return _record(actor, "update", f"user {user.get_username()}", change)
 
 
 def do_set_team_quota(
@@ -653,6 +668,37 @@ def do_set_tag_quota(actor: AbstractBaseUser | None, tag: str, max_cost_micro_us
             quota.save(update_fields=["max_cost_micro_usd"])
         change = {"max_cost_micro_usd": (audit_text("max_cost_micro_usd", before), audit_text("max_cost_micro_usd", max_cost_micro_usd))}
         return _record(actor, action, f"tag quota {tag}/month", change)
+
+
+def in_flight_target(user: AbstractBaseUser | None) -> str:
+    return f"in-flight cap {user.get_username() if user else 'default'}"
+
+
+def do_set_in_flight_cap(actor: AbstractBaseUser | None, user: AbstractBaseUser | None,
+                         max_in_flight: int | None) -> list[AuditEntry]:
+    """How many requests a user (None: everyone without their own) may have in flight at once; None
+    removes the row (a user then follows the default again). Audited like every cap."""
+    with transaction.atomic():
+        cap = InFlightCap.objects.select_for_update().filter(user=user).first()
+        before = cap.max_in_flight if cap else None
+        if before == max_in_flight and (cap is not None or max_in_flight is None):
+            return []
+        if max_in_flight is None:
+            action = "delete"
+            cap.delete()
+        elif cap is None:
+            action = "create"
+            InFlightCap.objects.create(user=user, max_in_flight=max_in_flight)
+        else:
+            action = "update"
+            cap.max_in_flight = max_in_flight
+            cap.save(update_fields=["max_in_flight"])
+        # A user without a row follows the default: the trail says "default", not "no cap".
+        absent = _ABSENT if user is not None else None
+        shown_before = before if cap is not None else absent
+        shown_after = max_in_flight if max_in_flight is not None else absent
+        change = {"max_in_flight": (audit_text("max_in_flight", shown_before), audit_text("max_in_flight", shown_after))}
+        return _record(actor, action, in_flight_target(user), change)
 
 
 # --- alert webhooks ------------------------------------------------------------------------------

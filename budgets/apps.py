@@ -5,7 +5,8 @@ class BudgetsConfig(AppConfig):
     name = "budgets"
 
     def ready(self) -> None:
-        from . import refcache
-        from .models import Feature, ModelPrice, Provider, Quota, TagQuota, Team, TeamMembership, TeamQuota
+        # tasks registers the alert senders the actions queue through (budgets/delivery.py).
+        from . import refcache, tasks  # noqa: F401
+        from .models import Feature, InFlightCap, ModelPrice, Provider, Quota, TagQuota, Team, TeamMembership, TeamQuota
 
-        refcache.connect([Feature, ModelPrice, Provider, Quota, TagQuota, Team, TeamMembership, TeamQuota])
+        refcache.connect([Feature, InFlightCap, ModelPrice, Provider, Quota, TagQuota, Team, TeamMembership, TeamQuota])

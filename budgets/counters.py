@@ -67,6 +67,7 @@ local n1 = tonumber(ARGV[4])
 local groups = {{1, n1, tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])}}
 if ARGV[8] == '1' then groups[2] = {n1 + 1, n, tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])} end
 local COUNTERS_FROM = 12
+local LIMITS = 5  -- per counter: requests, tokens, cost, ttl, requests in flight at once
 if redis.call('EXISTS', marker) == 1 then return {'duplicate'} end
 -- The versions of the reference rows (quotas, prices…) the caller computed the ceilings from: when
 -- one moved since, nothing is decided here, and the caller reads the rows again with what is current.
@@ -75,7 +76,7 @@ if v > 0 then
   for j = 1, v do
     local version = redis.call('GET', KEYS[2 * n + 1 + j]) or ''
     current[#current + 1] = version
-    if version ~= ARGV[COUNTERS_FROM + 4 * n + j] then stale = true end
+    if version ~= ARGV[COUNTERS_FROM + LIMITS * n + j] then stale = true end
   end
   if stale then return current end
 end
@@ -100,8 +101,9 @@ for i = 1, n do
   end
 end
 local function limits(i)
-  local base = COUNTERS_FROM + (i - 1) * 4
-  return tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4])
+  local base = COUNTERS_FROM + (i - 1) * LIMITS
+  return tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4]),
+    tonumber(ARGV[base + 5])
 end
 -- (tokens granted, each counter's state) when every counter of the group has room, else
 -- (nil, the refusal). counts_only skips the cost limits.
@@ -110,11 +112,14 @@ local function check(group, counts_only)
   local granted = asked
   local state = {}
   for i = first, last do
-    local lr, lt, lc = limits(i)
+    local lr, lt, lc, _, lf = limits(i)
     local v = redis.call('HMGET', KEYS[i], 'ur', 'rr', 'ut', 'rt', 'uc', 'rc')
     local ur, rr, ut, rt, uc, rc = tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0,
       tonumber(v[4]) or 0, tonumber(v[5]) or 0, tonumber(v[6]) or 0
     state[i] = {ur, rr, ut, rt, uc, rc}
+    -- rr is the requests this counter holds a reservation for: those admitted and not yet settled
+    -- (this request's own claim was taken out above).
+    if lf >= 0 and rr + 1 > lf then return nil, {'refused', i, 'in_flight', 0, rr, lf} end
     if lr >= 0 and ur + rr + 1 > lr then return nil, {'refused', i, 'requests', ur, rr, lr} end
     if lt >= 0 then
       local room = lt - ut - rt - prompt
@@ -295,9 +300,11 @@ class Limits:
     requests: int | None = None
     tokens: int | None = None
     cost_micro_usd: int | None = None
+    # Requests admitted and not yet settled, at once: a concurrency cap, not a period's.
+    in_flight: int | None = None
 
     def any(self) -> bool:
-        return any(v is not None for v in (self.requests, self.tokens, self.cost_micro_usd))
+        return any(v is not None for v in (self.requests, self.tokens, self.cost_micro_usd, self.in_flight))
 
 
 @dataclass(frozen=True)
@@ -337,7 +344,7 @@ class AdmitResult:
     reserved_tokens: int = 0
     reserved_cost_micro_usd: int = 0
     refused_index: int | None = None  # which counter said no (0-based)
-    refused_metric: str = ""  # requests | tokens | cost
+    refused_metric: str = ""  # requests | tokens | cost | in_flight
     refused_used: int = 0
     refused_reserved: int = 0
     refused_limit: int = 0
@@ -457,7 +464,8 @@ class CounterStore:
         args.append(len(versions))
         for spec in specs:
             limits = spec.limits
-            args += [_limit(limits.requests), _limit(limits.tokens), _limit(limits.cost_micro_usd), spec.ttl_s]
+            args += [_limit(limits.requests), _limit(limits.tokens), _limit(limits.cost_micro_usd), spec.ttl_s,
+                     _limit(limits.in_flight)]
         args += [value for _, value in versions]
         keys = [self.redis_key(spec.key) for spec in specs]
         keys += [in_flight_key(key) for key in keys]

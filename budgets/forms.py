@@ -30,6 +30,7 @@ from .models import (
     Provider,
     Quota,
     Team,
+    TeamMembership,
     TokenLog,
     allowed_key_env,
     tag_validator,
@@ -182,6 +183,30 @@ def caps_forms(
 
 
 # --- features ------------------------------------------------------------------------------------
+
+
+class InFlightForm(forms.Form):
+    """How many requests a user (or everyone, on the defaults page) may have in flight at once."""
+
+    max_in_flight = forms.IntegerField(
+        label="Requests in flight at once", required=False, min_value=1, max_value=MAX_REQUESTS,
+        error_messages={"min_value": "At least 1 (to stop someone, deactivate them or cap their requests at 0)."},
+    )
+
+    def __init__(self, *args, current: int | None, default: int | None = None, for_user: bool, **kwargs) -> None:
+        kwargs.setdefault("initial", {"max_in_flight": current})
+        super().__init__(*args, prefix="inflight", **kwargs)
+        field = self.fields["max_in_flight"]
+        if for_user:
+            field.widget.attrs["placeholder"] = f"default ({default})" if default is not None else "default (no cap)"
+            field.help_text = ("Answers in progress at the same time, whatever the period's caps; "
+                               "the next one is refused with Retry-After: 1. Empty: the default.")
+        else:
+            field.widget.attrs["placeholder"] = "no cap"
+            field.help_text = "For everyone without their own. Empty: no cap."
+
+    def value(self) -> int | None:
+        return self.cleaned_data.get("max_in_flight")
 
 
 class FeatureForm(forms.ModelForm):
@@ -769,6 +794,14 @@ class KeyCapsForm(forms.Form):
     )
     max_cost_per_day_usd = DollarsField(label="Cost per day ($)", required=False, error_messages=NOT_NEGATIVE)
     max_cost_per_month_usd = DollarsField(label="Cost per month ($)", required=False, error_messages=NOT_NEGATIVE)
+    max_in_flight = forms.IntegerField(
+        label="Requests in flight at once", required=False, min_value=1, max_value=MAX_REQUESTS,
+        help_text="Answers in progress at the same time; the next one waits (429, Retry-After: 1).",
+    )
+    team_name = forms.ChoiceField(
+        label="Team that pays", required=False,
+        help_text="Whose team caps this key's requests count against; X-Ceiling-Team on a request overrides it.",
+    )
 
     allowed_features = forms.MultipleChoiceField(
         label="Features it may use", required=False, widget=forms.CheckboxSelectMultiple,
@@ -780,22 +813,32 @@ class KeyCapsForm(forms.Form):
             "max_requests_per_day": key.max_requests_per_day,
             "max_cost_per_day_usd": dollars_text(key.max_cost_per_day_micro_usd),
             "max_cost_per_month_usd": dollars_text(key.max_cost_per_month_micro_usd),
+            "max_in_flight": key.max_in_flight,
+            "team_name": key.team_name,
             "allowed_features": list(key.allowed_features),
         })
         super().__init__(*args, **kwargs)
         self.key, self.lower_only = key, lower_only
-        for name in ("max_requests_per_day", "max_cost_per_day_usd", "max_cost_per_month_usd"):
+        for name in ("max_requests_per_day", "max_cost_per_day_usd", "max_cost_per_month_usd", "max_in_flight"):
             self.fields[name].widget.attrs.update({"placeholder": "no cap"})
         # The features an API caller can reach, and whatever the key names already (a renamed or
         # switched-off one stays visible, so unticking it is possible).
         names = set(Feature.objects.exclude(mode=Feature.Mode.BATCH).values_list("name", flat=True))
         self.fields["allowed_features"].choices = [(name, name) for name in sorted(names | set(key.allowed_features))]
+        teams = list(TeamMembership.objects.filter(user_id=key.user_id).order_by("joined_at", "pk")
+                     .values_list("team__name", flat=True))
+        first = f"the team joined first ({teams[0]})" if teams else "no team (the user is in none)"
+        self.fields["team_name"].choices = [("", first), *((name, name) for name in teams)]
+        if key.team_name and key.team_name not in teams:  # left the team since: shown, so it can be changed
+            self.fields["team_name"].choices.append((key.team_name, f"{key.team_name} (no longer a member)"))
 
     def caps(self) -> dict[str, int | list[str] | None]:
         return {
             "max_requests_per_day": self.cleaned_data.get("max_requests_per_day"),
             "max_cost_per_day_micro_usd": to_micro_usd(self.cleaned_data.get("max_cost_per_day_usd")),
             "max_cost_per_month_micro_usd": to_micro_usd(self.cleaned_data.get("max_cost_per_month_usd")),
+            "max_in_flight": self.cleaned_data.get("max_in_flight"),
+            "team_name": self.cleaned_data.get("team_name") or "",
             "allowed_features": sorted(self.cleaned_data.get("allowed_features") or []),
         }
 
@@ -803,7 +846,7 @@ class KeyCapsForm(forms.Form):
         cleaned = super().clean()
         if self.lower_only and not self.errors:
             boxes = {"max_requests_per_day": "max_requests_per_day", "max_cost_per_day_micro_usd": "max_cost_per_day_usd",
-                     "max_cost_per_month_micro_usd": "max_cost_per_month_usd"}
+                     "max_cost_per_month_micro_usd": "max_cost_per_month_usd", "max_in_flight": "max_in_flight"}
             caps = self.caps()
             for name, box in boxes.items():
                 current = getattr(self.key, name)

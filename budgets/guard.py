@@ -20,23 +20,23 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from datetime import datetime
-from functools import lru_cache
+from datetime import datetime, timedelta
 
 import redis
-from django.conf import settings
 from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
-from . import ledger_sql, ledger_writer, redis_clients, refcache
+from . import ledger_sql, ledger_writer, refcache
 from .batching import Batch
-from .counters import AdmitResult, CounterGroup, CounterSpec, CounterStore, Limits, StaleRebuild, Usage, Versions
+from .counter_store import EvictingRedis, counter_store, refuse_evicting_redis  # noqa: F401 - the guard's API
+from .counters import AdmitResult, CounterGroup, CounterSpec, Limits, StaleRebuild, Usage, Versions
 from .live import publish_on_commit
 from .models import (
     CALENDAR_PERIODS,
     WINDOW_PERIODS,
     Feature,
+    InFlightCap,
     ModelPrice,
     Period,
     Provider,
@@ -47,7 +47,6 @@ from .models import (
     TeamMembership,
     TeamQuota,
     TokenLog,
-    unique_row,
 )
 from .money import format_usd
 from .periods import describe_reset, period_bounds, period_key, seconds_until_reset
@@ -66,50 +65,6 @@ WINDOW_GRACE_S = 600
 
 class GuardUnavailable(RuntimeError):
     pass
-
-
-class EvictingRedis(redis.RedisError):
-    """The counters' Redis may evict keys: a reservation or a counter could vanish, and the ceiling with it.
-
-    A RedisError, so every caller treats it as a Redis it cannot use: admissions are refused (fail
-    closed), settles are left for reconciliation.
-    """
-
-
-SAFE_EVICTION_POLICY = "noeviction"
-
-
-def refuse_evicting_redis(client) -> None:
-    """Raise EvictingRedis unless every node of the counters' Redis has maxmemory-policy noeviction.
-
-    Read from INFO (managed Redis services often disable CONFIG). Counters, reservations and their
-    settle markers carry TTLs, so even the volatile-* policies could evict them.
-    """
-    info = client.info("memory")
-    nodes = info.values() if info and all(isinstance(value, dict) for value in info.values()) else [info]
-    policies = {str(node.get("maxmemory_policy", SAFE_EVICTION_POLICY)) for node in nodes}
-    unsafe = sorted(policies - {SAFE_EVICTION_POLICY})
-    if unsafe:
-        raise EvictingRedis(
-            f"The guard's Redis has maxmemory-policy {', '.join(unsafe)}, which may evict counters and reservations "
-            f"and so break the ceiling; set maxmemory-policy {SAFE_EVICTION_POLICY} on it (and put the answer caches "
-            "on a Redis of their own with CEILING_CACHE_URL)."
-        )
-
-
-@lru_cache(maxsize=1)
-def counter_store() -> CounterStore:
-    """The guard's counters, on a Redis that is checked once per process never to evict them."""
-    # Short timeouts and no retries: when Redis is gone the guard must say so quickly (fail closed).
-    client = redis_clients.sync_client(
-        redis_clients.counters_url(),
-        socket_connect_timeout=settings.CEILING_GUARD_TIMEOUT_S,
-        socket_timeout=settings.CEILING_GUARD_TIMEOUT_S,
-        no_retries=True,
-    )
-    refuse_evicting_redis(client)  # raises: not cached, so the next call checks again
-    return CounterStore(client, wait_replicas=settings.CEILING_COUNTERS_WAIT_REPLICAS,
-                        wait_timeout_ms=settings.CEILING_COUNTERS_WAIT_MS)
 
 
 def provider_month_key(provider_id: int, at: datetime) -> str:
@@ -163,11 +118,19 @@ class Scopes:
         return next((q for q in self.team_quotas if q.feature_id == feature_id and q.period == period), None)
 
 
-def request_scopes(user, api_key=None, tags: tuple[str, ...] = ()) -> Scopes:
-    """The user's team and its caps, and the tags' caps: from this process's reference cache
-    (budgets/refcache.py), else one query for a user without a team, one more for a team's caps,
-    one more for tag caps."""
-    team = refcache.cache.get("team_of_user", ("teammembership", "team"), user.pk, lambda: _team_of(user.pk))
+def request_scopes(user, api_key=None, tags: tuple[str, ...] = (), team_name: str = "") -> Scopes:
+    """The team that pays (below) and its caps, and the tags' caps: from this process's reference
+    cache (budgets/refcache.py), else one query for a user without a team, one more for a team's
+    caps, one more for tag caps.
+
+    A user in several teams pays with one per request: the team `team_name` names (the
+    X-Ceiling-Team header), else the one the API key names, else the team the user joined first.
+    Only that team's caps apply, and the ledger row records it, so each team's counters count
+    exactly the requests it paid for. The API refuses a name the user is not a member of before
+    the guard (team_not_member); should the membership end in between, the first team pays."""
+    wanted = team_name or (getattr(api_key, "team_name", "") or "")
+    team = refcache.cache.get("team_of_user", ("teammembership", "team"), (user.pk, wanted),
+                              lambda: paying_team(user.pk, wanted))
     team_quotas = (
         refcache.cache.get("team_quotas", ("teamquota",), team.pk, lambda: tuple(TeamQuota.objects.filter(team=team)))
         if team else ()
@@ -182,9 +145,10 @@ def request_scopes(user, api_key=None, tags: tuple[str, ...] = ()) -> Scopes:
     return Scopes(team, team_quotas, api_key, tags, tag_quotas)
 
 
-def _team_of(user_id: int) -> Team | None:
-    membership = unique_row(TeamMembership.objects.select_related("team").filter(user_id=user_id))
-    return membership.team if membership else None
+def paying_team(user_id: int, name: str = "") -> Team | None:
+    """The user's team called `name` when they are in it, else the team they joined first, else None."""
+    teams = [m.team for m in TeamMembership.objects.select_related("team").filter(user_id=user_id).order_by("joined_at", "pk")]
+    return next((team for team in teams if team.name == name), teams[0] if teams else None)
 
 
 def applicable_ceilings(
@@ -219,6 +183,7 @@ def applicable_ceilings(
             )
         ceilings += _team_ceilings(scopes, feature, period, pkey, ttl, window)
         ceilings += _key_ceilings(scopes.api_key, period, pkey, ttl, window)
+    ceilings += _in_flight_ceilings(user, scopes.api_key, at)
     ceilings += _tag_ceilings(scopes, at)
     if provider.monthly_limit_micro_usd is not None:
         start, end = period_bounds(Period.MONTH, at)
@@ -250,7 +215,7 @@ def applicable_ceilings(
 
 # What a request's ceilings are computed from, besides the request itself: their versions tag each
 # cached list, so a write to any of them is seen as it is by every other lookup of the cache.
-CEILING_TABLES = ("quota", "team", "teammembership", "teamquota", "tagquota", "provider", "feature")
+CEILING_TABLES = ("quota", "team", "teammembership", "teamquota", "tagquota", "provider", "feature", "inflightcap")
 
 
 def admission_ceilings(user, feature: Feature | None, provider: Provider, at: datetime, loop: LoopLimits | None,
@@ -270,7 +235,7 @@ def admission_ceilings(user, feature: Feature | None, provider: Provider, at: da
         (feature.pk, feature.name) if feature is not None else None,
         (provider.pk, provider.name, provider.monthly_limit_micro_usd),
         (key_caps.pk, key_caps.name, key_caps.max_requests_per_day, key_caps.max_cost_per_day_micro_usd,
-         key_caps.max_cost_per_month_micro_usd) if key_caps is not None else None,
+         key_caps.max_cost_per_month_micro_usd, key_caps.max_in_flight) if key_caps is not None else None,
     )
     return refcache.cache.get(
         "ceilings", CEILING_TABLES, key, lambda: applicable_ceilings(user, feature, provider, at, loop, scopes)
@@ -310,6 +275,42 @@ def _key_ceilings(key, period: str, pkey: str, ttl: int, window: dict) -> list[C
         CounterSpec(f"ceiling:c:key:{key.pk}:{period}:{pkey}", limits, ttl),
         "key", period, f"this API key ({key.name!r})", {"api_key_id": key.pk, **window},
     )]
+
+
+# A concurrency counter has no period: it lives while its caller keeps sending (each admission
+# renews it) and, when it has expired, is rebuilt from the ledger's rows of the last IN_FLIGHT_TTL_S,
+# the only ones that can still be in flight (reconciliation settles a row the worker never did
+# within CEILING_RESERVATION_TTL_S, minutes).
+IN_FLIGHT_TTL_S = 24 * 3600
+# What a refusal for too many answers in progress asks the client to wait: one usually ends soon.
+IN_FLIGHT_RETRY_AFTER_S = 1
+
+
+def _in_flight_ceilings(user, key, at: datetime) -> list[Ceiling]:
+    """The user's cap on requests in flight at once (their own, else everyone's), and the key's."""
+    ceilings = []
+    since = {"created_at__gte": at - timedelta(seconds=IN_FLIGHT_TTL_S)}
+    user_cap = in_flight_cap_of(user.pk)
+    if user_cap is not None:
+        ceilings.append(Ceiling(
+            CounterSpec(f"ceiling:c:user:{user.pk}:inflight", Limits(in_flight=user_cap), IN_FLIGHT_TTL_S),
+            "user_in_flight", None, "you", {"user_id": user.pk, **since},
+        ))
+    if key is not None and key.max_in_flight is not None:
+        ceilings.append(Ceiling(
+            CounterSpec(f"ceiling:c:key:{key.pk}:inflight", Limits(in_flight=key.max_in_flight), IN_FLIGHT_TTL_S),
+            "key_in_flight", None, f"this API key ({key.name!r})", {"api_key_id": key.pk, **since},
+        ))
+    return ceilings
+
+
+def in_flight_cap_of(user_id: int) -> int | None:
+    """How many requests this user may have in flight: their own InFlightCap, else everyone's, else None."""
+    def load() -> int | None:
+        caps = {cap.user_id: cap.max_in_flight for cap in InFlightCap.objects.filter(Q(user_id=user_id) | Q(user__isnull=True))}
+        return caps.get(user_id, caps.get(None))
+
+    return refcache.cache.get("in_flight_cap", ("inflightcap",), user_id, load)
 
 
 def _tag_ceilings(scopes: Scopes, at: datetime) -> list[Ceiling]:
@@ -390,6 +391,7 @@ class AdmissionRequest:
     retrieval: RetrievalFacts | None = None  # a docs feature's request: what retrieval added to its prompt
     api_key: object | None = None  # accounts.ApiKey the request came with (the /v1 API); its caps apply
     tags: tuple[str, ...] = ()  # validated names (budgets.models.TAG_RE), at most MAX_TAGS
+    team: str = ""  # the team the caller asked to pay (X-Ceiling-Team); empty: the key's, else the first joined
 
 
 @dataclass
@@ -432,7 +434,7 @@ def candidate(request: AdmissionRequest, feature: Feature, provider: Provider | 
               now: datetime, scopes: Scopes | None = None) -> Candidate:
     provider = provider or feature.provider or refcache.cache.get("default_provider", ("provider",), None, Provider.default)
     if scopes is None:
-        scopes = request_scopes(request.user, request.api_key, request.tags)
+        scopes = request_scopes(request.user, request.api_key, request.tags, request.team)
     ceilings = admission_ceilings(request.user, feature, provider, now, request.loop, scopes)
     return Candidate(feature, provider, model, max_tokens, price_in_force(provider, model, now), ceilings)
 
@@ -506,7 +508,7 @@ STALE_ATTEMPTS = 3
 
 def _candidates(request: AdmissionRequest, now: datetime) -> tuple[Scopes, Candidate, Candidate | None]:
     """Who the request counts against, and the ceilings of its feature and of its fallback."""
-    scopes = request_scopes(request.user, request.api_key, request.tags)
+    scopes = request_scopes(request.user, request.api_key, request.tags, request.team)
     primary = candidate(request, request.feature, request.provider, request.model, request.max_tokens, now, scopes)
     # Its ceilings are read even when the primary will fit: one Lua call decides both, atomically.
     offered = request.fallback
@@ -835,6 +837,8 @@ settled_marks: Batch[int] = Batch(
 
 def refusal_text(ceiling: Ceiling, result: AdmitResult, now: datetime) -> tuple[str, str, int | None]:
     metric = result.refused_metric
+    if metric == "in_flight":
+        return _in_flight_refusal(ceiling, result)
     spent = result.refused_used + result.refused_reserved
     code = _code(ceiling, metric)
     amount = _amount(metric, spent, result.refused_limit)
@@ -866,6 +870,21 @@ def refusal_text(ceiling: Ceiling, result: AdmitResult, now: datetime) -> tuple[
 
 
 GROUP_SCOPES = ("team", "team_feature", "key", "tag")
+
+
+def _in_flight_refusal(ceiling: Ceiling, result: AdmitResult) -> tuple[str, str, int]:
+    """Too many answers in progress at once: how many, the cap, and that one finishing frees a place."""
+    running, limit = result.refused_reserved, result.refused_limit
+    answers = "answer" if running == 1 else "answers"
+    if ceiling.scope == "key_in_flight":
+        code = "key_in_flight"
+        who = f"{ceiling.subject[0].upper()}{ceiling.subject[1:]} has {running:,} {answers} in progress"
+    else:
+        code = "user_in_flight"
+        who = f"You have {running:,} {answers} in progress"
+    message = (f"{who}, the most allowed at once ({limit:,}). "
+               "Send this request again when one of them has finished.")
+    return code, message, IN_FLIGHT_RETRY_AFTER_S
 
 
 def _group_refusal(ceiling: Ceiling, result: AdmitResult, metric: str, spent: int, when: str, now: datetime) -> str:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
+from django.db.models.functions import Coalesce
 
 from .tags import TAG_RE, TAG_RULE
 
@@ -323,13 +324,18 @@ class Team(models.Model):
 
 
 class TeamMembership(models.Model):
-    """A user is in at most one team: the user is the key."""
+    """A user in a team. A user may be in several: each request is paid by one of them (the team its
+    API key or the X-Ceiling-Team header names, else the one the user joined first) and counts
+    against that team's caps only (budgets/guard.py request_scopes)."""
 
     objects = ReferenceQuerySet.as_manager()
 
-    user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="team_membership")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="team_memberships")
     team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
     joined_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["user", "team"], name="one_membership_per_user_and_team")]
 
     def __str__(self) -> str:
         return f"{self.user} in {self.team}"
@@ -537,6 +543,28 @@ class TeamQuota(models.Model):
 
     def __str__(self) -> str:
         return f"team {self.team.name} / {self.feature.name if self.feature_id else 'all features'} / {self.period}"
+
+
+class InFlightCap(models.Model):
+    """How many requests one user may have admitted and unanswered at once (user empty: everyone's
+    default). Not a period's cap: a request holds its place from admission to settle, so one caller
+    sending as fast as they can is held to this many streams, however much of the day is left."""
+
+    objects = ReferenceQuerySet.as_manager()
+
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE,
+                                related_name="in_flight_cap")
+    max_in_flight = models.PositiveIntegerField()
+
+    class Meta:
+        constraints = [
+            # NULLs are distinct in the user column's unique index: one default row needs its own.
+            models.UniqueConstraint(Coalesce("user", models.Value(0)), name="one_in_flight_cap_per_user_or_default"),
+        ]
+
+    def __str__(self) -> str:
+        who = self.user.username if self.user_id else "everyone"
+        return f"{who} / at most {self.max_in_flight} in flight"
 
 
 class TagQuota(models.Model):

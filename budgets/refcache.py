@@ -34,6 +34,8 @@ from typing import Any
 import redis
 from django.db import transaction
 
+from .counter_store import counter_store
+
 log = logging.getLogger(__name__)
 
 # The tables an admission reads, by the name their version has in Redis.
@@ -161,14 +163,10 @@ class RefCache:
 
 
 def _client() -> redis.Redis:
-    from .guard import counter_store  # guard imports this module
-
     return counter_store().client
 
 
 def _prefix() -> str:
-    from .guard import counter_store
-
     return counter_store().prefix
 
 

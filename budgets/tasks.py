@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
+from . import delivery
 from .alerts import AlertNotSent, deliver_alert
 from .webhooks import MAX_ATTEMPTS, TIMEOUT_S, WebhookNotSent, deliver_webhook
 
@@ -55,3 +56,7 @@ def send_alert_webhook(self, delivery_id: int) -> bool:
             return False  # out of attempts: failed on the alerts page, not retried again
         # From the row's attempts, not this task's retries: a task the sweeper queued starts at 0.
         raise self.retry(exc=exc, countdown=exc.retry_in_s) from exc
+
+
+# The actions queue an alert's channels through budgets.delivery, which knows these tasks from here.
+delivery.register(alert_email=send_alert_email.delay, alert_webhook=send_alert_webhook.delay)

@@ -35,6 +35,7 @@ def do_admit_request(
     retrieved: RetrievalFacts | None = None,
     api_key=None,
     tags: tuple[str, ...] = (),
+    team: str = "",
 ) -> Decision:
     """Ask the guard; when admitted, store the prompt for the worker. Refusals are logged by the guard.
 
@@ -55,6 +56,7 @@ def do_admit_request(
         retrieval=retrieved,
         api_key=api_key,
         tags=tags,
+        team=team,
     )
     decision = admit(request)
     if decision.admitted:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: POST /v1/chat/completions and GET /v1/models.
 
 Authenticated by per-user API keys (`Authorization: Bearer ck_…`, accounts/models.py). A completion
-goes through the same chat request code as the websocket (inference/web/chat_request.py): the same validation, guard,
+goes through the same chat request code as the websocket (inference/chat/, the pipeline): the same validation, guard,
 ledger rows and cancellation. The chat request's first event decides the status code, so a refusal is a
 429 (or 400/403/503, see `refusal_status`) even when a stream was asked for; after `accepted` the
 answer is either collected into one chat.completion or streamed as server-sent events. An extract
@@ -30,13 +30,15 @@ from django.views.decorators.csrf import csrf_exempt
 
 from accounts.actions import do_touch_api_key
 from accounts.models import ApiKey
-from budgets.models import Feature
+from budgets.models import Feature, TeamMembership
 from project.logs import request_context
 from project.proxies import client_address
 
+from .chat.events import INTERNAL_ERROR
+from .chat.pipeline import run_chat
+from .chat.route import get_feature
 from .models import ModelAlias
 from .web import embeddings as embeddings_lib
-from .web.chat_request import INTERNAL_ERROR, get_feature, run_chat
 from .web.frames import DEFAULT_FEATURE, ChatFrame, FrameError, loads_limited, parse_chat
 from .web.params import ParamError, parse_params
 from .web.ratelimits import rate_limit_headers
@@ -91,6 +93,29 @@ def feature_not_allowed(key: ApiKey, feature: str) -> JsonResponse:
     message = (f"The API key {key.name!r} ({key.prefix}…) may not use the feature {feature!r}; it may use "
                f"{key.scope_text}. GET /v1/models lists the models it can use.")
     return api_error(403, message, type="permission_error", code="feature_not_allowed", param="feature")
+
+
+TEAM_HEADER = "X-Ceiling-Team"
+
+
+async def paying_team_or_refusal(request: HttpRequest) -> tuple[str, JsonResponse | None]:
+    """The team named to pay for this request (X-Ceiling-Team, else the key's team) and, when the
+    user is not in it, the 403 that says so (before the guard, no ledger row, as for other 4xx).
+    No name: "" (the team the user joined first pays, budgets/guard.py request_scopes)."""
+    name = request.headers.get(TEAM_HEADER, "").strip() or request.api_key.team_name
+    if not name:
+        return "", None
+    teams = await database_sync_to_async(team_names_of)(request.api_key.user_id)
+    if name in teams:
+        return name, None
+    where = f"the {TEAM_HEADER} header" if request.headers.get(TEAM_HEADER, "").strip() else f"the API key {request.api_key.name!r}"
+    yours = ", ".join(repr(team) for team in teams) if teams else "none"
+    message = f"You are not in a team called {name!r}, which {where} names to pay for this request; your teams: {yours}."
+    return name, api_error(403, message, type="permission_error", code="team_not_member", param=TEAM_HEADER)
+
+
+def team_names_of(user_id: int) -> list[str]:
+    return list(TeamMembership.objects.filter(user_id=user_id).order_by("joined_at", "pk").values_list("team__name", flat=True))
 
 
 def refusal_status(code: str) -> tuple[int, str]:
@@ -430,9 +455,13 @@ async def answer(request: HttpRequest, chat: ChatRequest, shape: type[Completion
     request.rate_limit_feature = chat.frame.feature
     if not request.api_key.allows(chat.frame.feature):
         return feature_not_allowed(request.api_key, chat.frame.feature)
+    team, refusal = await paying_team_or_refusal(request)
+    if refusal is not None:
+        return refusal
     stream = chat.stream and not await is_extract(chat.frame.feature)
     # The key's own caps apply to this request as well as its user's (budgets/guard.py).
-    events = run_chat(request.api_key.user, replace(chat.frame, api_key=request.api_key), request_id=request.request_id)
+    frame = replace(chat.frame, api_key=request.api_key, team=team)
+    events = run_chat(request.api_key.user, frame, request_id=request.request_id)
     first = await anext(events, INTERNAL_ERROR)
     if first["type"] != "accepted":
         await events.aclose()

@@ -3,7 +3,7 @@
 /ws/chat/ (wire protocol in docs/protocol.md): one generation at a time per socket. It runs in an asyncio task that `disconnect()` and a
 `{"type": "cancel"}` frame cancel; cancelling tells the worker's engine to stop at its next step.
 What happens to one request (admission, the guard, relaying the worker's tokens) lives in
-inference/web/chat_request.py, which the OpenAI-compatible HTTP API shares.
+inference/chat/ (the pipeline), which the OpenAI-compatible HTTP API shares.
 
 /ws/dashboard/: the staff's live feed, one point per settled or refused request (budgets' ledger
 signal, relayed by inference/live.py) and the workers' engine stats each second. It lives here,
@@ -27,8 +27,9 @@ from budgets.live import DASHBOARD_GROUP
 from budgets.usage import today_allowance
 
 from .bus.stats import read_engine_stats
+from .chat.events import TERMINAL
+from .chat.pipeline import run_chat
 from .revocation import still_allowed, user_group
-from .web.chat_request import TERMINAL, run_chat
 from .web.frames import CancelFrame, ChatFrame, FrameError, parse_frame
 
 log = logging.getLogger(__name__)

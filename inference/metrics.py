@@ -22,13 +22,13 @@ import bisect
 import hmac
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import redis
 from django.conf import settings
-from django.db.models import Q, Sum
+from django.db.models import Q, QuerySet, Sum
 from django.http import Http404, HttpRequest, HttpResponse
 from django.utils import timezone
 from django.views.decorators.http import require_GET
@@ -41,6 +41,7 @@ from budgets.forecast import all_cost_caps, forecasts
 from budgets.guard import SETTLED
 from budgets.models import TokenLog
 from budgets.periods import period_bounds
+from budgets.tags import TAGGED
 
 from .bus.stats import read_engine_stats
 
@@ -320,10 +321,10 @@ class CeilingCollector:
 
     @staticmethod
     def _spend_gauges() -> list[GaugeMetricFamily]:
-        """Spend this day and month per user, team and API key: the top N of each, plus "other"."""
+        """Spend this day and month per user, team, API key and tag: the top N of each, plus "other"."""
         family = GaugeMetricFamily(
             "ceiling_spend_usd",
-            f"Settled spend this period in dollars, by user, team and API key: the top {settings.CEILING_METRICS_TOP_N} "
+            f"Settled spend this period in dollars, by user, team, API key and tag: the top {settings.CEILING_METRICS_TOP_N} "
             "of each by spend, the rest summed as scope=\"other\".",
             labels=["scope_kind", "scope", "period"],
         )
@@ -383,32 +384,69 @@ class CeilingCollector:
 
 OTHER = "other"
 SPEND_SCOPES = (("user", "user_id"), ("team", "team_id"), ("key", "api_key_id"))
+PERIODS = ("day", "month")
+
+# scope → (spent today, spent this month), in micro-dollars
+Spent = dict[object, tuple[int, int]]
 
 
 def spend_series(now, top_n: int) -> list[tuple[tuple[str, str, str], int]]:
-    """((scope_kind, scope, period), micro-dollars) for this day and month: one GROUP BY per kind.
+    """((scope_kind, scope, period), micro-dollars) for this day and month, per user, team, API key and tag.
 
     Each kind and period names its top_n scopes by spend and sums the rest as "other" (absent when
-    nothing is left over), so the series stay bounded however many users there are.
+    nothing is left over), so the series stay bounded however many users or tags there are. One
+    grouped ledger query per kind.
     """
     day_start, _ = period_bounds("day", now)
     month_start, _ = period_bounds("month", now)
+    month = TokenLog.objects.filter(SETTLED, created_at__gte=month_start, created_at__lt=now)
     out: list[tuple[tuple[str, str, str], int]] = []
     for kind, column in SPEND_SCOPES:
-        rows = list(
-            TokenLog.objects.filter(SETTLED, created_at__gte=month_start, created_at__lt=now, **{f"{column}__isnull": False})
-            .values(column)
-            .annotate(month=Sum("cost_micro_usd"), day=Sum("cost_micro_usd", filter=Q(created_at__gte=day_start)))
-            .order_by()
-        )
-        for period in ("day", "month"):
-            spent = sorted(((row[period] or 0, row[column]) for row in rows), key=lambda pair: (-pair[0], pair[1]))
-            spent = [(amount, pk) for amount, pk in spent if amount > 0]
-            top, rest = spent[:top_n], spent[top_n:]
-            names = scope_names(kind, [pk for _, pk in top])
-            out += [((kind, names.get(pk, str(pk)), period), amount) for amount, pk in top]
-            if rest:
-                out.append(((kind, OTHER, period), sum(amount for amount, _ in rest)))
+        out += top_and_other(kind, column_spend(month, column, day_start), top_n, partial(scope_names, kind))
+    out += top_and_other("tag", tag_spend(month, day_start), top_n, lambda tags: {tag: tag for tag in tags})
+    return out
+
+
+def column_spend(month: QuerySet, column: str, day_start) -> Spent:
+    """Each scope named by `column` (user_id, team_id, api_key_id) → its spend today and this month."""
+    rows = (
+        month.filter(**{f"{column}__isnull": False}).values(column)
+        .annotate(month=Sum("cost_micro_usd"), day=Sum("cost_micro_usd", filter=Q(created_at__gte=day_start)))
+        .order_by()
+    )
+    return {row[column]: (row["day"] or 0, row["month"] or 0) for row in rows}
+
+
+def tag_spend(month: QuerySet, day_start) -> Spent:
+    """Each tag → its spend today and this month; a row with two tags counts for both, as the guard counts it.
+
+    Grouped by the rows' stored tag lists (",a,b,"), of which there are far fewer than rows, and split
+    here: SQLite has no unnest, and the list is what the trigram index covers (budgets/tags.py).
+    """
+    rows = (
+        month.filter(**TAGGED).values("tags")
+        .annotate(month=Sum("cost_micro_usd"), day=Sum("cost_micro_usd", filter=Q(created_at__gte=day_start)))
+        .order_by()
+    )
+    spent: dict[str, tuple[int, int]] = {}
+    for row in rows:
+        for tag in filter(None, row["tags"].split(",")):
+            day, month_to_date = spent.get(tag, (0, 0))
+            spent[tag] = (day + (row["day"] or 0), month_to_date + (row["month"] or 0))
+    return spent
+
+
+def top_and_other(kind: str, spent: Spent, top_n: int, names_of: Callable[[list], dict]) -> list[tuple[tuple[str, str, str], int]]:
+    """The top_n scopes of each period by spend, by name, and the rest summed as "other"; scopes that spent nothing are left out."""
+    out: list[tuple[tuple[str, str, str], int]] = []
+    for index, period in enumerate(PERIODS):
+        ranked = sorted(((amounts[index], scope) for scope, amounts in spent.items() if amounts[index] > 0),
+                        key=lambda pair: (-pair[0], pair[1]))
+        top, rest = ranked[:top_n], ranked[top_n:]
+        names = names_of([scope for _, scope in top])
+        out += [((kind, names.get(scope, str(scope)), period), amount) for amount, scope in top]
+        if rest:
+            out.append(((kind, OTHER, period), sum(amount for amount, _ in rest)))
     return out
 
 

@@ -193,15 +193,15 @@ def embed_passages(texts: list[str], batch_size: int = 32) -> list[bytes]:
 
 def audiences_for(user) -> tuple[str, ...]:
     """The document audiences a user may read, sorted: staff read every document (every team's
-    too), others the "everyone" ones and, in a team, their team's."""
+    too), others the "everyone" ones and those of each team they are in."""
     from budgets.models import Team, TeamMembership
     from inference.models import Document
 
     if getattr(user, "is_staff", False):
         teams = [Document.team_audience(pk) for pk in Team.objects.values_list("pk", flat=True)]
         return tuple(sorted([Document.Audience.EVERYONE, Document.Audience.STAFF, *teams]))
-    team_id = TeamMembership.objects.filter(user_id=user.pk).values_list("team_id", flat=True).first()
-    return tuple(sorted([Document.Audience.EVERYONE, *([Document.team_audience(team_id)] if team_id else [])]))
+    team_ids = TeamMembership.objects.filter(user_id=user.pk).values_list("team_id", flat=True)
+    return tuple(sorted([Document.Audience.EVERYONE, *(Document.team_audience(team_id) for team_id in team_ids)]))
 
 
 def normalise_query(text: str) -> str:

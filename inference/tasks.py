@@ -12,6 +12,7 @@ from celery.signals import celeryd_after_setup, worker_init, worker_shutdown
 from django.conf import settings
 
 from budgets.reconcile import reconcile_forever
+from project import tracing
 from project.logs import request_context
 
 from .bus.cancel import listen_for_cancellations
@@ -47,27 +48,14 @@ _stop_services = threading.Event()
 )
 def generate(request_id: str, reply_to: str = "") -> None:
     # reply_to: the waiting web process's stream inbox; a task queued by an older web process
-    # carries none, and its user's page then ends from the ledger (chat_request._relay).
+    # carries none, and its user's page then ends from the ledger (inference/chat/relay.py).
     # Every line logged while it runs (the generation, its settle) names the request, as the web
     # process's lines about it do (project/logs.py).
     with request_context(request_id):
+        tracing.record_queue_wait(request_id, generate.request)
         log.info("generation picked up")
         run_generation(request_id, reply_to)
         log.info("generation settled")
-
-
-@shared_task(name="inference.refine", queue="inference", ignore_result=True, acks_late=False,
-             time_limit=settings.CEILING_TASK_TIME_LIMIT_S * 4)
-def refine(user_id: int, feature_id: int, question: str, max_calls: int = 3) -> None:
-    """Draft → critique → revise under a loop budget; every call is in the ledger with one loop_id."""
-    from django.contrib.auth import get_user_model
-
-    from budgets.models import Feature
-
-    from .worker.refine import refine_answer
-
-    user = get_user_model().objects.get(pk=user_id)
-    refine_answer(user, Feature.objects.get(pk=feature_id), question, max_calls=max_calls)
 
 
 # Each item keeps the engine's own deadline; the job as a whole gets a day (enforced by prefork only).

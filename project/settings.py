@@ -252,7 +252,7 @@ if CEILING_CORS_ORIGINS:
     CORS_ALLOW_HEADERS = (*default_headers, "openai-organization", "openai-project", "openai-beta", "x-stainless-arch",
                           "x-stainless-lang", "x-stainless-os", "x-stainless-package-version", "x-stainless-retry-count",
                           "x-stainless-runtime", "x-stainless-runtime-version", "x-stainless-timeout", "x-stainless-async",
-                          "x-stainless-helper-method")
+                          "x-stainless-helper-method", "x-ceiling-team")
     CORS_EXPOSE_HEADERS = ["x-request-id", "x-should-retry", "retry-after", "x-ceiling-fallback", "x-ceiling-fallback-model",
                            *(f"x-ratelimit-{what}-{metric}" for what in ("limit", "remaining", "reset") for metric in ("requests", "tokens"))]
 
@@ -539,9 +539,48 @@ CEILING_WEBHOOK_ALLOW_PRIVATE = envbool("CEILING_WEBHOOK_ALLOW_PRIVATE", False)
 # --- Metrics ----------------------------------------------------------------------------------
 # GET /metrics wants `Authorization: Bearer <this>`; empty (the default) switches the endpoint off (404).
 CEILING_METRICS_TOKEN = envstr("CEILING_METRICS_TOKEN", "")
-# ceiling_spend_usd names this many users, teams and API keys by spend (per period); the rest add up
+# ceiling_spend_usd names this many users, teams, API keys and tags by spend (per period); the rest add up
 # to one "other" series, so a scrape's size does not grow with the user base.
 CEILING_METRICS_TOP_N = envint("CEILING_METRICS_TOP_N", 10, minimum=1)
+
+# --- Tracing (project/tracing.py, docs/observability.md) ----------------------------------------
+# OpenTelemetry traces, one per chat, read from OpenTelemetry's own variables. Off unless configured:
+# an OTLP endpoint (OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) switches them on,
+# OTEL_TRACES_EXPORTER=otlp|console|none says so outright, OTEL_SDK_DISABLED=true switches them off.
+# (OpenTelemetry's default exporter is otlp; here it is none until an endpoint is given, so a fresh
+# install never sends spans to a localhost:4318 nobody runs.) The exporter and its endpoint, headers
+# and timeout, OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES, OTEL_BSP_* are read by OpenTelemetry.
+CEILING_TRACES_EXPORTERS = ("otlp", "console", "none")
+
+
+def traces_exporter() -> str:
+    if envbool("OTEL_SDK_DISABLED", False):
+        return "none"
+    named = envstr("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if named:
+        if named not in CEILING_TRACES_EXPORTERS:
+            raise ImproperlyConfigured(f"OTEL_TRACES_EXPORTER={named!r} must be one of {', '.join(CEILING_TRACES_EXPORTERS)}")
+        return named
+    endpoint = envstr("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "") or envstr("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    return "otlp" if endpoint.strip() else "none"
+
+
+CEILING_TRACES_EXPORTER = traces_exporter()
+if CEILING_TRACES_EXPORTER == "otlp":
+    for _name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        _protocol = envstr(_name, "").strip()
+        if _protocol and _protocol != "http/protobuf":
+            raise ImproperlyConfigured(f"{_name}={_protocol!r}: Ceiling exports traces over OTLP http/protobuf only "
+                                       "(send them to an OpenTelemetry Collector's port 4318)")
+# Which new traces are kept: every one (parentbased_always_on, the default) or a share of them
+# (parentbased_traceidratio with OTEL_TRACES_SAMPLER_ARG, 0 to 1). A trace started upstream (an API
+# call with a traceparent header) keeps its caller's decision either way.
+CEILING_TRACES_SAMPLER = envstr("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower() or "parentbased_always_on"
+if CEILING_TRACES_SAMPLER not in ("parentbased_always_on", "parentbased_traceidratio"):
+    raise ImproperlyConfigured(f"OTEL_TRACES_SAMPLER={CEILING_TRACES_SAMPLER!r} must be parentbased_always_on or parentbased_traceidratio")
+CEILING_TRACES_RATIO = envfloat("OTEL_TRACES_SAMPLER_ARG", 1.0, minimum=0.0) if CEILING_TRACES_SAMPLER.endswith("ratio") else 1.0
+if CEILING_TRACES_RATIO > 1:
+    raise ImproperlyConfigured(f"OTEL_TRACES_SAMPLER_ARG={CEILING_TRACES_RATIO} must be between 0 and 1")
 
 # --- Email (spend alerts) ------------------------------------------------------------------------
 EMAIL_BACKEND = envstr("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")

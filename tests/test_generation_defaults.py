@@ -14,8 +14,8 @@ from django.core.management import call_command
 from django.test import Client
 
 from budgets.models import AuditEntry, Feature
+from inference.chat.admit import worker_params
 from inference.models import Transcript
-from inference.web.chat_request import worker_params
 from inference.web.frames import ChatFrame
 from inference.web.params import parse_params
 from tests.conftest import session_cookie

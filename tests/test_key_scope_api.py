@@ -120,3 +120,36 @@ def test_both_texts_of_a_rotated_key_work_for_the_grace_period_and_then_only_the
     with pytest.raises(openai.AuthenticationError, match="it was rotated: use its successor"):
         client_for(live_stack, old_text).models.list()
     assert client_for(live_stack, new_text).models.list().data
+
+
+def test_x_ceiling_team_chooses_which_of_the_users_teams_pays(live_stack, alice, chat_feature):
+    from budgets.actions import do_create_team
+    from budgets.models import Period, TeamQuota
+
+    support, _ = do_create_team(None, "Support", [alice])
+    research, _ = do_create_team(None, "Research", [alice])
+    TeamQuota.objects.create(team=research, period=Period.DAY, max_requests=0)
+    key, plaintext = do_create_api_key(alice, "teams")
+    client = client_for(live_stack, plaintext)
+
+    with pytest.raises(openai.PermissionDeniedError) as outsider:
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4,
+                                       extra_headers={"X-Ceiling-Team": "Sales"})
+    assert outsider.value.body["code"] == "team_not_member"
+    assert "not in a team called 'Sales'" in outsider.value.body["message"]
+    assert "your teams: 'Support', 'Research'" in outsider.value.body["message"]
+
+    with pytest.raises(openai.RateLimitError) as capped:
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4,
+                                       extra_headers={"X-Ceiling-Team": "Research"})
+    assert capped.value.body["code"] == "team_requests_per_day" and "'Research'" in capped.value.body["message"]
+
+    key.team_name = "Research"  # the key names the team now: the same cap, without the header
+    key.save(update_fields=["team_name"])
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4)
+    # The header overrides the key's team: Support has no cap, so the answer comes.
+    answer = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4,
+                                            extra_headers={"X-Ceiling-Team": "Support"})
+    assert answer.choices[0].message.content
+    assert TokenLog.objects.get(request_id=answer.id.removeprefix("chatcmpl-")).team == support

@@ -67,16 +67,3 @@ def test_a_loop_budget_needs_a_limit(alice):
     with pytest.raises(ValueError, match="at least 1"):
         with loop_budget(alice, max_calls=0):
             pass
-
-
-def test_draft_critique_revise_runs_on_the_real_model_within_its_budget(alice, chat_feature):
-    from inference.worker.refine import refine_answer
-
-    result = refine_answer(alice, chat_feature, "What is the capital of Spain?", max_calls=3, max_tokens=24, rounds=5)
-    assert result.calls == 3 and len(result.steps) == 3
-    assert result.stopped_by == "loop_calls"
-    assert result.answer == result.steps[2] and result.answer
-    rows = TokenLog.objects.filter(user=alice).exclude(loop_id="")
-    assert rows.values("loop_id").distinct().count() == 1
-    assert rows.filter(status=TokenLog.Status.OK).count() == 3
-    assert all(row.transcript.response_text for row in rows.filter(status=TokenLog.Status.OK))

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from budgets.actions import do_log_refusal
 from budgets.models import Feature, TokenLog
+from budgets.tags import tags_text
 from inference.bus.stats import STATS_KEY_PREFIX, STATS_TTL_S
 from inference.engine import EngineStats
 from inference.metrics import clear_metrics, record_settled, record_settled_many
@@ -427,3 +428,61 @@ def test_each_cost_cap_shows_its_limit_and_what_is_left(metrics_token, alice, ch
     cap = {"scope_kind": "user", "scope": "user:alice", "period": "month"}
     assert value(families, "ceiling_budget_limit_usd", **cap) == 5.0
     assert value(families, "ceiling_budget_remaining_usd", **cap) == 3.5
+
+
+# --- spend and what is left per tag ------------------------------------------------------------------
+
+
+def test_spend_per_tag_names_the_top_tags_and_sums_the_rest_as_other(metrics_token, settings, alice, chat_feature):
+    settings.CEILING_METRICS_TOP_N = 2
+    # A row with two tags counts for both, as the guard counts it; an untagged row for no tag.
+    for tags, micro_usd in ((["support", "beta"], 4_000_000), (["support"], 1_000_000), (["sales"], 2_000_000),
+                            (["misc"], 500_000), ([], 9_000_000)):
+        settled(chat_feature, user=alice, cost_micro_usd=micro_usd, tags=tags_text(tags))
+    # Refused and still running requests spent nothing.
+    settled(chat_feature, TokenLog.Status.REFUSED, user=alice, tags=tags_text(["misc"]), refusal_code="tag_cost_per_month")
+
+    families = scrape()
+
+    for period in ("day", "month"):
+        assert spend(families, scope_kind="tag", scope="support", period=period) == 5.0
+        assert spend(families, scope_kind="tag", scope="beta", period=period) == 4.0
+        assert spend(families, scope_kind="tag", scope="sales", period=period) is None  # beyond the top 2
+        assert spend(families, scope_kind="tag", scope="other", period=period) == 2.5  # sales and misc
+    tag_samples = [s for s in families["ceiling_spend_usd"].samples if s.labels["scope_kind"] == "tag"]
+    assert len(tag_samples) == 2 * 3
+
+
+def test_tag_spend_of_earlier_days_counts_in_the_month_only(metrics_token, alice, chat_feature):
+    from budgets.periods import period_bounds
+
+    now = timezone.now()
+    day_start, month_start = period_bounds("day", now)[0], period_bounds("month", now)[0]
+    if day_start == month_start:
+        pytest.skip("the first day of a month has no earlier day in it")
+    earlier = settled(chat_feature, user=alice, cost_micro_usd=1_000_000, tags=tags_text(["support"]))
+    TokenLog.objects.filter(pk=earlier.pk).update(created_at=day_start - timedelta(seconds=1))
+    last_month = settled(chat_feature, user=alice, cost_micro_usd=7_000_000, tags=tags_text(["support"]))
+    TokenLog.objects.filter(pk=last_month.pk).update(created_at=month_start - timedelta(seconds=1))
+    settled(chat_feature, user=alice, cost_micro_usd=250_000, tags=tags_text(["support", "beta"]))
+
+    families = scrape()
+
+    assert spend(families, scope_kind="tag", scope="support", period="day") == 0.25
+    assert spend(families, scope_kind="tag", scope="support", period="month") == 1.25
+    assert spend(families, scope_kind="tag", scope="beta", period="month") == 0.25
+
+
+def test_a_capped_tag_shows_its_limit_and_what_is_left(metrics_token, alice, chat_feature):
+    from budgets.models import TagQuota
+
+    TagQuota.objects.create(tag="support", max_cost_micro_usd=10_000_000)
+    TagQuota.objects.create(tag="beta", max_cost_micro_usd=1_000_000)
+    settled(chat_feature, user=alice, cost_micro_usd=4_000_000, tags=tags_text(["support", "beta"]))
+
+    families = scrape()
+
+    support = {"scope_kind": "tag", "scope": "tag:support", "period": "month"}
+    assert value(families, "ceiling_budget_limit_usd", **support) == 10.0
+    assert value(families, "ceiling_budget_remaining_usd", **support) == 6.0
+    assert value(families, "ceiling_budget_remaining_usd", scope_kind="tag", scope="tag:beta", period="month") == 0.0  # spent

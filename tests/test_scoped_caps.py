@@ -172,7 +172,7 @@ def test_a_tag_cap_holds_across_users(chat_feature, priced, settings):
 def test_a_redis_flush_rebuilds_team_key_and_tag_counters_from_the_ledger_exactly(chat_feature, priced, redis_db):
     people = members(4)
     do_create_team(None, "Support", people)
-    team = people[0].team_membership.team
+    team = people[0].team_memberships.get().team
     TeamQuota.objects.create(team=team, period="month", max_requests=30, max_cost_micro_usd=10_000)
     key, _ = do_create_api_key(people[0], "ci")
     key.max_requests_per_day, key.max_cost_per_day_micro_usd = 25, 5_000

@@ -18,9 +18,9 @@ from django.urls import reverse
 
 from accounts.actions import do_create_api_key
 from budgets.models import Feature, Quota, TokenLog
+from inference.batch_jobs import do_start_batch
 from inference.models import BatchItem, BatchJob
 from inference.web.modes import EXTRACT_SYSTEM_PROMPT, InvalidJSON, extract_json, extract_messages
-from inference.worker.batch import do_start_batch
 from tests.conftest import session_cookie
 from tests.wsclient import chat, chat_frame
 

@@ -9,8 +9,8 @@ import pytest
 
 from budgets.models import TokenLog
 from inference.actions import do_admit_request, do_finish_request
+from inference.chat.relay import recover_from_ledger
 from inference.models import Transcript
-from inference.web.chat_request import recover_from_ledger
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

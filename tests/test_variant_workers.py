@@ -125,7 +125,7 @@ def test_runstack_refuses_an_unknown_variant():
 
 
 def test_a_fallback_on_weights_no_worker_serves_is_no_fallback(transactional_db, redis_db):
-    from inference.web.chat_request import fallback_for
+    from inference.chat.admit import fallback_for
     from inference.web.frames import ChatFrame
 
     queue = SERVING_KEY.format(variant_queue("q4"))

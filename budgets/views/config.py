@@ -20,12 +20,13 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 
-from ..actions import PRICE_FIELDS, do_save_provider, do_save_with_audit, do_set_quota, snapshot
+from ..actions import PRICE_FIELDS, do_save_provider, do_save_with_audit, do_set_in_flight_cap, do_set_quota, snapshot
 from ..forecast import forecasts_by_scope, provider_caps, user_caps
 from ..forms import (
     AuditFilterForm,
     CapsForm,
     FeatureForm,
+    InFlightForm,
     PriceForm,
     ProviderForm,
     SearchForm,
@@ -33,7 +34,7 @@ from ..forms import (
     describe_caps,
     known_models,
 )
-from ..models import AuditEntry, Feature, ModelPrice, Period, Provider, Quota, TeamMembership, TokenLog
+from ..models import AuditEntry, Feature, InFlightCap, ModelPrice, Period, Provider, Quota, TeamMembership, TokenLog
 from ..money import exact_usd, format_usd
 from ..permissions import staff_required
 from ..selfhosted import LocalCost
@@ -89,11 +90,9 @@ def users(request: HttpRequest) -> HttpResponse:
     return render(request, "budgets/users.html", {"page": page, "rows": rows, "search": search, "query": query})
 
 
-def _team_of(person):
-    try:
-        return person.team_membership.team
-    except TeamMembership.DoesNotExist:
-        return None
+def _teams_of(person) -> list:
+    """The person's teams, the one that pays by default (joined first) first."""
+    return [m.team for m in TeamMembership.objects.filter(user=person).select_related("team").order_by("joined_at", "pk")]
 
 
 def with_forecast(row: list[Gauge], projection) -> list[Gauge]:
@@ -105,12 +104,13 @@ def with_forecast(row: list[Gauge], projection) -> list[Gauge]:
 
 @staff_required
 def user_detail(request: HttpRequest, user_id: int) -> HttpResponse:
-    # With the user's team, if any, in the same query (a reverse one-to-one).
-    person = get_object_or_404(get_user_model().objects.select_related("team_membership__team"), pk=user_id)
+    person = get_object_or_404(get_user_model(), pk=user_id)
     features = list(Feature.objects.order_by("name"))
     quotas = list(Quota.objects.filter(Q(user=person) | Q(user__isnull=True)))
-    forms = caps_forms(request.POST if request.method == "POST" else None, user=person, features=features, quotas=quotas)
-    if request.method == "POST" and _save_caps(request, forms, user=person) is not None:
+    data = request.POST if request.method == "POST" else None
+    forms = caps_forms(data, user=person, features=features, quotas=quotas)
+    in_flight = _in_flight_form(data, person)
+    if request.method == "POST" and _save_caps(request, forms, in_flight, user=person) is not None:
         return redirect("staff-user", person.pk)
     usage = usage_by(TokenLog.objects.filter(user=person), "feature_id", timezone.now())
     total = total_usage(list(usage.values()))
@@ -126,7 +126,7 @@ def user_detail(request: HttpRequest, user_id: int) -> HttpResponse:
         summary.append({"label": label, "own": own, "gauges": row})
     context = {"person": person, "scopes": _scopes(forms), "summary": summary, "for_user": True,
                "keys": person.api_keys.filter(revoked_at__isnull=True),
-               "team": _team_of(person)}
+               "teams": _teams_of(person), "in_flight_form": in_flight}
     return render(request, "budgets/user_detail.html", context)
 
 
@@ -134,11 +134,13 @@ def user_detail(request: HttpRequest, user_id: int) -> HttpResponse:
 def defaults(request: HttpRequest) -> HttpResponse:
     features = list(Feature.objects.order_by("name"))
     quotas = list(Quota.objects.filter(user__isnull=True))
-    forms = caps_forms(request.POST if request.method == "POST" else None, user=None, features=features, quotas=quotas)
-    if request.method == "POST" and _save_caps(request, forms, user=None) is not None:
+    data = request.POST if request.method == "POST" else None
+    forms = caps_forms(data, user=None, features=features, quotas=quotas)
+    in_flight = _in_flight_form(data, None)
+    if request.method == "POST" and _save_caps(request, forms, in_flight, user=None) is not None:
         return redirect("staff-defaults")
     overrides = Quota.objects.filter(user__isnull=False).values("user_id").distinct().count()
-    context = {"scopes": _scopes(forms), "for_user": False, "overrides": overrides}
+    context = {"scopes": _scopes(forms), "for_user": False, "overrides": overrides, "in_flight_form": in_flight}
     return render(request, "budgets/defaults.html", context)
 
 
@@ -148,9 +150,16 @@ def _scopes(forms: list[CapsForm]) -> list[tuple[str, list[CapsForm]]]:
     return [("All features", forms[:per_scope]), ("Per feature", forms[per_scope:])]
 
 
-def _save_caps(request: HttpRequest, forms: list[CapsForm], *, user) -> int | None:
+def _in_flight_form(data, person) -> InFlightForm:
+    caps = dict(InFlightCap.objects.filter(Q(user=person) | Q(user__isnull=True)).values_list("user_id", "max_in_flight"))
+    if person is None:
+        return InFlightForm(data, current=caps.get(None), for_user=False)
+    return InFlightForm(data, current=caps.get(person.pk), default=caps.get(None), for_user=True)
+
+
+def _save_caps(request: HttpRequest, forms: list[CapsForm], in_flight: InFlightForm, *, user) -> int | None:
     """Save every scope whose form changed, all or nothing; None (and the errors shown) when any is invalid."""
-    if not all([form.is_valid() for form in forms]):  # a list: every form gets validated and shows its errors
+    if not all([form.is_valid() for form in [*forms, in_flight]]):  # a list: every form shows its errors
         messages.error(request, "Nothing was saved: please correct the errors below.")
         return None
     with transaction.atomic():
@@ -160,6 +169,8 @@ def _save_caps(request: HttpRequest, forms: list[CapsForm], *, user) -> int | No
             if form.has_changed()
             for entry in do_set_quota(request.user, user=user, feature=form.feature, period=form.period, caps=form.caps())
         ]
+        if in_flight.has_changed():
+            entries += do_set_in_flight_cap(request.user, user, in_flight.value())
     flash_saved(request, len(entries))
     return len(entries)
 

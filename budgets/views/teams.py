@@ -25,8 +25,9 @@ from ..actions import (
     do_create_team,
     do_create_webhook,
     do_delete_team,
+    do_join_team,
+    do_leave_team,
     do_set_tag_quota,
-    do_set_team,
     do_set_team_alerts,
     do_set_team_quota,
 )
@@ -135,8 +136,10 @@ def team_detail(request: HttpRequest, team_id: int) -> HttpResponse:
         messages.error(request, "Nothing was saved: please correct the errors below.")
     elif member_form.is_bound and member_form.is_valid():
         person = member_form.cleaned_data["username"]
-        do_set_team(request.user, person, team)
-        messages.success(request, f"{person.get_username()} is now in {team.name} (and in no other team).")
+        do_join_team(request.user, person, team)
+        others = list(TeamMembership.objects.filter(user=person).exclude(team=team).values_list("team__name", flat=True))
+        also = f" (also in {', '.join(others)}; the team they joined first pays unless a key or X-Ceiling-Team names another)" if others else ""
+        messages.success(request, f"{person.get_username()} is now in {team.name}{also}.")
         return redirect("staff-team", team.pk)
     elif alerts_form.is_bound and alerts_form.is_valid():
         flash_saved(request, len(do_set_team_alerts(
@@ -154,7 +157,7 @@ def team_detail(request: HttpRequest, team_id: int) -> HttpResponse:
     elif request.method == "POST" and "remove_member" in request.POST:
         membership = TeamMembership.objects.filter(team=team, user_id=request.POST.get("remove_member")).first()
         if membership is not None:
-            do_set_team(request.user, membership.user, None)
+            do_leave_team(request.user, membership.user, team)
             messages.success(request, f"{membership.user.get_username()} is no longer in {team.name}.")
         return redirect("staff-team", team.pk)
     usage = usage_by(TokenLog.objects.filter(team=team), "feature_id", timezone.now())

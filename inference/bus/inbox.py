@@ -6,6 +6,7 @@ A request's dispatch names the inbox; the worker pushes that request's frames th
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import uuid
@@ -41,7 +42,10 @@ class StreamInbox:
     def open(self, request_id: str) -> asyncio.Queue:
         inbox = self._queues[request_id] = asyncio.Queue()
         if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read_while_open())
+            # In a context of its own: the reader serves every request of this process, not the one
+            # that happened to start it, so its log lines and its Redis calls (traced, when tracing is
+            # on) must not be that request's.
+            self._reader = asyncio.get_running_loop().create_task(self._read_while_open(), context=contextvars.Context())
         return inbox
 
     def close(self, request_id: str) -> None:
@@ -64,7 +68,7 @@ class StreamInbox:
                 return []
             return [first[1], *(await client.lpop(self.key, self.DRAIN) or [])]
         except redis.RedisError as exc:
-            # What is lost meanwhile, each request recovers from the ledger (chat_request._relay).
+            # What is lost meanwhile, each request recovers from the ledger (inference/chat/relay.py).
             log.warning("reading the stream inbox %s failed (%s); retrying in 1 s", self.key, exc)
             await asyncio.sleep(1.0)
             return []

@@ -47,7 +47,7 @@ INBOX_EXPIRY_S = 60
 
 @dataclass
 class _Frame:
-    inbox: str  # "" when nobody listens (batch and refine calls): only the progress is recorded
+    inbox: str  # "" when nobody listens (batch items): only the progress is recorded
     request_id: str
     payload: str  # the frame as JSON, serialised by the thread that handed it over
     progress: int | None  # tokens streamed so far, recorded before the frame is pushed

@@ -13,8 +13,8 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 
 from budgets.permissions import staff_required
+from inference.batch_jobs import do_start_batch
 from inference.models import BatchJob
-from inference.worker.batch import do_start_batch
 
 from .forms import BatchForm
 

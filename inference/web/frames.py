@@ -11,6 +11,7 @@ from django.conf import settings
 from budgets.tags import MAX_TAGS, TAG_RULE, is_tag, normalise_tag
 
 from .params import DEFAULT, GenerationParams
+from .text import storable
 
 ROLES = ("system", "user", "assistant", "tool")
 # The roles an agent's conversation may end on: a user's question, or the results of the tools the
@@ -74,6 +75,8 @@ class ChatFrame:
     # Set by the HTTP API (the accounts.ApiKey the request came with, whose own caps apply), never
     # read from a client's frame.
     api_key: object | None = None
+    # Set by the HTTP API from X-Ceiling-Team (a team the user is in), never read from a frame.
+    team: str = ""
 
 
 @dataclass(frozen=True)
@@ -229,17 +232,6 @@ def has_tool_turns(messages: list[dict]) -> bool:
 def message_text(message: dict) -> str:
     """A message's text ("" for an assistant's tool-call-only turn)."""
     return message.get("content") or ""
-
-
-def storable(text: str) -> bool:
-    """Text PostgreSQL can hold: no NUL, and no lone surrogate (JSON's "\\ud800" escapes allow both)."""
-    if "\x00" in text:
-        return False
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _parse_max_tokens(value) -> int:

@@ -5,7 +5,7 @@
   once, parsed, as the `result` of the `done` event (or an `invalid_json` error).
 - batch: many inputs run as a background job (inference/worker/batch.py); interactive chat is refused.
 
-Plain functions only: the session (inference/web/chat_request.py) and the API decide what to do with them.
+Plain functions only: the chat pipeline (inference/chat/) and the API decide what to do with them.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .text import storable
+
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
 MAX_TOP_LOGPROBS = 20
 MAX_END_USER_CHARS = 256  # Transcript.end_user
@@ -273,8 +275,6 @@ def _tool_choice(value: Any, tools: list | None) -> Any:
 
 
 def _end_user(value: Any) -> str:
-    from .frames import storable
-
     if value is None:
         return ""
     if not isinstance(value, str):

@@ -1,6 +1,6 @@
 """Batch jobs: many inputs answered by one feature in the background, progress visible to staff.
 
-Staff start a job (do_start_batch); the Celery task inference.run_batch runs it inside an inference
+Staff start a job (inference/batch_jobs.py do_start_batch); the Celery task inference.run_batch runs it inside an inference
 worker, where the engine is in-process. Each item is one ordinary request: admitted by the guard as
 the job's user and feature (a refusal is recorded on the item and the job goes on), generated inline,
 settled and logged like a chat. A few items run at once so they share the engine's running batch.
@@ -14,8 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser
-from django.db import close_old_connections, connection, transaction
+from django.db import close_old_connections, connection
 from django.db.models import Case, F, Value, When
 from django.utils import timezone
 
@@ -23,7 +22,6 @@ from budgets.actions import do_log_refusal
 from budgets.models import Feature, TokenLog
 from inference.actions import do_admit_request
 from inference.models import BatchItem, BatchJob, Transcript
-from inference.variants import variant_of, variant_queue
 from inference.web.tokenizer import chat_prompt_ids, input_too_long_by_count, model_name
 from inference.worker.generation import run_generation
 
@@ -31,18 +29,6 @@ log = logging.getLogger(__name__)
 
 ITEMS_AT_ONCE = 4
 REFUSED = TokenLog.Status.REFUSED
-
-
-def do_start_batch(*, feature: Feature, user: AbstractBaseUser, max_tokens: int, prompts: list[str]) -> BatchJob:
-    """Create the job and its items, and queue it once they are committed."""
-    from inference.tasks import run_batch
-
-    with transaction.atomic():
-        job = BatchJob.objects.create(feature=feature, user=user, max_tokens=max_tokens, total=len(prompts))
-        BatchItem.objects.bulk_create(BatchItem(job=job, index=i, prompt=p) for i, p in enumerate(prompts))
-        # On the queue of the feature's weight variant, whose worker serves it (inference/variants.py).
-        transaction.on_commit(partial(run_batch.apply_async, args=[job.pk], queue=variant_queue(variant_of(feature))))
-    return job
 
 
 def run_batch_job(job_id: int) -> None:

@@ -25,6 +25,7 @@ from inference.bus.ownership import claim_request, release_claim
 from inference.bus.trace import mark
 from inference.engine import FINISH_CANCELLED, FINISH_ERROR
 from inference.worker.handles import GenerationError, Outcome, open_generation, running
+from project import tracing
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def run_generation(request_id: str, reply_to: str = "") -> None:
     """Generate, settle the ledger, and always settle the guard's reservation (in the finally).
 
     reply_to is the inbox of the web process waiting for the frames (bus/inbox.py); "" when
-    nobody waits (batch jobs, refinement loops): the answer goes only to the ledger.
+    nobody waits (batch jobs): the answer goes only to the ledger.
     """
     try:
         _generate(request_id, reply_to)
@@ -89,6 +90,7 @@ def _generate(request_id: str, reply_to: str) -> None:
     # Everything below reads the row and its select_related parts only; _finish checks a connection out again.
     release_database_connection()
     stream = TokenStream(log_row, reply_to)
+    started_ns = time.time_ns()
     with running(open_generation(log_row)) as generation:
         try:
             generation.start(stream.on_text)
@@ -99,7 +101,26 @@ def _generate(request_id: str, reply_to: str) -> None:
             generation.cancel()
         outcome = generation.wait()
     stream.close()
+    trace_generation(request_id, started_ns, stream.first_token_ns, time.time_ns(), outcome)
     _finish(log_row, reply_to, outcome, stream.ttft_ms, frames=stream.seq)
+
+
+def trace_generation(request_id: str, started_ns: int, first_token_ns: int | None, ended_ns: int, outcome: Outcome) -> None:
+    """The prefill and decode spans, from the times measured (project/tracing.py; nothing when off).
+
+    One span each per request, never one per engine step: prefill runs from the hand-over to the
+    engine (or the remote server) to the first token, so it includes waiting for a place in the
+    running batch; decode from the first token to the end.
+    """
+    if not tracing.enabled():
+        return
+    error = outcome.error if outcome.finish_reason == FINISH_ERROR else ""
+    if first_token_ns is None:  # failed or cancelled before any token
+        tracing.record("prefill", request_id, started_ns, ended_ns, error=error, finish_reason=outcome.finish_reason)
+        return
+    tracing.record("prefill", request_id, started_ns, first_token_ns)
+    tracing.record("decode", request_id, first_token_ns, ended_ns, error=error, finish_reason=outcome.finish_reason,
+                   completion_tokens=len(outcome.completion_ids) if outcome.completion_tokens is None else outcome.completion_tokens)
 
 
 class TokenStream:
@@ -118,6 +139,7 @@ class TokenStream:
         self.sender = channel_sender()
         self.frames = FrameBuffer(settings.CEILING_STREAM_INTERVAL)
         self.ttft_ms: int | None = None
+        self.first_token_ns: int | None = None  # wall clock, for the trace's prefill and decode spans
         self.seq = 0  # token frames sent
         self.tokens_so_far = 0
         self._lock = threading.Lock()  # the pump's on_text against the task thread's close
@@ -130,6 +152,7 @@ class TokenStream:
                 return
             if new_tokens and self.ttft_ms is None:
                 self.ttft_ms = _ms_since(self.log_row.created_at)
+                self.first_token_ns = time.time_ns()
             self.tokens_so_far = tokens_so_far
             text = self.frames.add(piece, new_tokens, logprobs)
             if text:
@@ -163,25 +186,10 @@ def _finish(log_row: TokenLog, reply_to: str, outcome: Outcome, ttft_ms: int | N
         FINISH_ERROR: TokenLog.Status.FAILED,
     }.get(outcome.finish_reason, TokenLog.Status.OK)
     error = outcome.error
-    settled = _with_database_retry(
-        do_finish_request,
-        log_row.request_id,
-        status=status,
-        prompt_tokens=log_row.prompt_tokens if outcome.prompt_tokens is None else outcome.prompt_tokens,
-        completion_ids=outcome.completion_ids,
-        completion_tokens=outcome.completion_tokens,
-        text=outcome.text,
-        finish_reason="" if status == TokenLog.Status.FAILED else outcome.finish_reason,
-        ttft_ms=ttft_ms,
-        error=error,
-        admitted=log_row,
-    )
-    release_claim(log_row.request_id)
+    with tracing.span("settle", log_row.request_id, status=status):
+        settled = _settle(log_row, outcome, status, ttft_ms)
     if settled is None:
         return
-    raise_overshoot_alert(settled)  # a remote billed past its reservation: once per provider and day
-    # Release the reservation before telling the user, so their next request sees the freed room.
-    settle_reservation(settled.request_id)
     sender = channel_sender()
     if status == TokenLog.Status.FAILED:
         message = {"type": "chat.failed", "request_id": settled.request_id, "code": "engine_failed", "message": f"The model could not finish this answer: {error}."}
@@ -201,6 +209,30 @@ def _finish(log_row: TokenLog, reply_to: str, outcome: Outcome, ttft_ms: int | N
         if outcome.tool_calls:
             message["tool_calls"] = outcome.tool_calls  # a remote's, passed on as it sent them
     sender.send_frame(reply_to, settled.request_id, message, wait=True)
+
+
+def _settle(log_row: TokenLog, outcome: Outcome, status: str, ttft_ms: int | None) -> TokenLog | None:
+    """The ledger row, then the guard's reservation; None when the row was settled already (by a sweep)."""
+    settled = _with_database_retry(
+        do_finish_request,
+        log_row.request_id,
+        status=status,
+        prompt_tokens=log_row.prompt_tokens if outcome.prompt_tokens is None else outcome.prompt_tokens,
+        completion_ids=outcome.completion_ids,
+        completion_tokens=outcome.completion_tokens,
+        text=outcome.text,
+        finish_reason="" if status == TokenLog.Status.FAILED else outcome.finish_reason,
+        ttft_ms=ttft_ms,
+        error=outcome.error,
+        admitted=log_row,
+    )
+    release_claim(log_row.request_id)
+    if settled is None:
+        return None
+    raise_overshoot_alert(settled)  # a remote billed past its reservation: once per provider and day
+    # Release the reservation before telling the user, so their next request sees the freed room.
+    settle_reservation(settled.request_id)
+    return settled
 
 
 # How long the end of a stream waits for a database that went away: a short outage must not leave

@@ -6,7 +6,7 @@ heartbeat (TTL 5 s). Every live worker looks through those records every CEILING
 a request whose owner's heartbeat is gone is settled failed with the tokens that owner had
 streamed (not 0), its reservation is released, and the web process that waits for it, if any, gets
 its `worker_lost` frame. That web process would notice by itself after 5 s of silence; the sweep is
-what settles a request nobody waits for (a batch item, a refinement call, a web process that died
+what settles a request nobody waits for (a batch item, a web process that died
 too), which otherwise stayed running, its reservation held, for CEILING_RESERVATION_TTL_S (600 s).
 
 The same sweep settles a request admitted long ago that no worker ever claimed: a worker died with

@@ -1,4 +1,4 @@
-"""`manage.py create_team NAME [--member USERNAME ...]`: a team, and who is in it (moved from any other)."""
+"""`manage.py create_team NAME [--member USERNAME ...]`: a team, and who is in it (who stay in any other team they are in)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
 """`manage.py set_quota (USERNAME | --default | --team NAME | --api-key ID | --tag NAME) --period minute|hour|day|month
 [--requests N] [--tokens N] [--cost-usd X] [--feature NAME] [--clear]`
+`manage.py set_quota (USERNAME | --default | --api-key ID) --in-flight N|none`
 
 A user's and a team's caps are per minute, hour, day or month (requests, tokens, cost; all features
 or one): minute and hour are windows against bursts. An API key carries
-requests per day and cost per day and per month; a tag, cost per month.
+requests per day and cost per day and per month; a tag, cost per month. A user, everyone (the
+default) and an API key may also cap their requests in flight at once (--in-flight; "none" removes it).
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ from django.db import transaction
 
 from accounts.management.database import DatabaseCommand
 from accounts.models import ApiKey
-from budgets.actions import QUOTA_FIELDS, do_set_key_caps, do_set_quota, do_set_tag_quota, do_set_team_quota
+from budgets.actions import (
+    QUOTA_FIELDS,
+    do_set_in_flight_cap,
+    do_set_key_caps,
+    do_set_quota,
+    do_set_tag_quota,
+    do_set_team_quota,
+)
+from budgets.guard import in_flight_cap_of
 from budgets.models import CALENDAR_PERIODS, Feature, Period, Quota, TagQuota, Team, TeamQuota
 from budgets.money import NegativeAmount, TooPrecise, parse_usd
 from budgets.tags import TAG_RULE, is_tag, normalise_tag
@@ -35,18 +45,26 @@ class Command(DatabaseCommand):
         parser.add_argument("--api-key", dest="api_key", type=int, metavar="ID",
                             help="an API key's own cap (requests per day, cost per day or month)")
         parser.add_argument("--tag", metavar="NAME", help="a tag's monthly spend cap, across every user")
-        parser.add_argument("--period", required=True, choices=[p.value for p in Period])
+        parser.add_argument("--period", choices=[p.value for p in Period])
+        parser.add_argument("--in-flight", dest="in_flight", metavar="N|none",
+                            help="requests admitted and not yet answered at once (a user, --default or --api-key)")
         parser.add_argument("--requests", type=int)
         parser.add_argument("--tokens", type=int)
         parser.add_argument("--cost-usd", dest="cost_usd")
         parser.add_argument("--feature")
         parser.add_argument("--clear", action="store_true", help="remove this cap instead")
 
-    def handle(self, *args, username=None, default=False, team=None, api_key=None, tag=None, period,
-               requests=None, tokens=None, cost_usd=None, feature=None, clear=False, **options) -> None:
+    def handle(self, *args, username=None, default=False, team=None, api_key=None, tag=None, period=None,
+               requests=None, tokens=None, cost_usd=None, feature=None, clear=False, in_flight=None, **options) -> None:
         named = [bool(username), bool(default), team is not None, api_key is not None, tag is not None]
         if sum(named) != 1:
             raise CommandError("Name exactly one user, or pass one of --default, --team, --api-key, --tag.")
+        if in_flight is not None:
+            if period or requests is not None or tokens is not None or cost_usd is not None or feature or clear:
+                raise CommandError("--in-flight is set on its own: no --period, caps, --feature or --clear with it.")
+            return self._in_flight(username, api_key, team, tag, _in_flight_value(in_flight))
+        if period is None:
+            raise CommandError("Give --period minute, hour, day or month (or --in-flight N).")
         if team is not None:
             return self._team(team, period, requests, tokens, cost_usd, feature, clear)
         if api_key is not None:
@@ -118,6 +136,23 @@ class Command(DatabaseCommand):
             f"cost_per_month_micro_usd={key.max_cost_per_month_micro_usd}"
         ))
 
+    def _in_flight(self, username, api_key, team, tag, value: int | None) -> None:
+        if team is not None or tag is not None:
+            raise CommandError("A cap on requests in flight is a user's, everyone's (--default) or an API key's.")
+        if api_key is not None:
+            key = ApiKey.objects.select_related("user").filter(pk=api_key).first()
+            if key is None:
+                raise CommandError(f"There is no API key with id {api_key}.")
+            do_set_key_caps(COMMAND_LINE_ACTOR, key, {"max_in_flight": value})
+            self.stdout.write(self.style.SUCCESS(
+                f"api key {key.pk} ({key.user.get_username()}/{key.name}): max_in_flight={key.max_in_flight}"))
+            return
+        user = self._user(username) if username else None
+        do_set_in_flight_cap(COMMAND_LINE_ACTOR, user, value)
+        who = user.get_username() if user else "default"
+        in_force = in_flight_cap_of(user.pk) if user else value
+        self.stdout.write(self.style.SUCCESS(f"{who}: max_in_flight={value} (in force: {in_force})"))
+
     def _tag(self, tag, period, requests, tokens, cost_usd, feature, clear) -> None:
         tag = normalise_tag(tag)
         if not is_tag(tag):
@@ -186,3 +221,16 @@ def _kept_and_given(model, scope: dict, values: dict) -> dict:
     current = model.objects.select_for_update().filter(**scope).first()
     caps = {name: getattr(current, name) if current else None for name in QUOTA_FIELDS}
     return caps | {name: value for name, value in values.items() if value is not None}
+
+
+def _in_flight_value(text: str) -> int | None:
+    """--in-flight: a whole number of requests, at least 1 (0 would refuse everything), or "none"."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise CommandError(f"--in-flight takes a whole number of requests or 'none', not {text!r}.") from None
+    if value < 1:
+        raise CommandError("--in-flight must be at least 1 (to stop a user, deactivate them or set a cap of 0 requests).")
+    return value
