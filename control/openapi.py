@@ -86,6 +86,12 @@ def _paths() -> dict:
             "delete": _op("deleteQuota", "remove one scope's row (a user then follows the default)", "Changes",
                           body="QuotaScope"),
         },
+        "/manage/v1/in-flight": {
+            "get": _op("listInFlightCaps", "the caps on requests in flight at once: users' and the default", "InFlightList",
+                       refusals=()),
+            "put": _op("setInFlightCap", "a user's (or, with no user, everyone's default) cap on requests in flight at once; "
+                       "null removes it", "Changes", body="InFlightSet"),
+        },
         "/manage/v1/features": {"get": _op("listFeatures", "every feature and how it is served", "FeatureList", refusals=())},
         "/manage/v1/features/{name}": {
             "get": _op("getFeature", "one feature", "Feature", refusals=("404",), parameters=[_path_param("name", "string")]),
@@ -148,6 +154,9 @@ def _schemas() -> dict:
         "Quota": _obj({"scope": {"type": "string"}, "period": {"type": "string"}, **caps,
                        "max_cost_micro_usd": NULLABLE_INT}),
         "QuotaList": _obj({"quotas": {"type": "array", "items": _ref("Quota")}}, ("quotas",)),
+        "InFlightSet": _obj({"user": {"type": ["string", "null"], "description": "null or left out: the default"},
+                             "max_in_flight": {"type": ["integer", "null"], "minimum": 1}}, extra=False),
+        "InFlightList": _obj({"in_flight": {"type": "array", "items": {"type": "object"}}}, ("in_flight",)),
         "Changes": _obj({"changes": {"type": "integer", "description": "audit rows written (0: nothing changed)"}}, ("changes",)),
         "Feature": _obj({
             "name": {"type": "string"}, "enabled": {"type": "boolean"}, "provider": {"type": ["string", "null"]},

@@ -11,7 +11,7 @@ from accounts.models import KEY_CAP_FIELDS, ApiKey
 from budgets.actions import QUOTA_FIELDS
 from budgets.counters import Usage
 from budgets.forms import dollars_text
-from budgets.models import Feature, Provider, Quota, TagQuota, TeamQuota
+from budgets.models import Feature, InFlightCap, Provider, Quota, TagQuota, TeamQuota
 
 
 def when(moment: datetime | None) -> str | None:
@@ -35,7 +35,7 @@ def key_payload(key: ApiKey) -> dict:
         "created_at": when(key.created_at), "expires_at": when(key.expires_at), "revoked_at": when(key.revoked_at),
         "last_used_at": when(key.last_used_at), "last_used_ip": key.last_used_ip,
         "active": key.is_active and key.user.is_active, "rotated_from": key.rotated_from_id,
-        "allowed_features": list(key.allowed_features), "caps": caps,
+        "allowed_features": list(key.allowed_features), "team": getattr(key, "team_name", "") or None, "caps": caps,
     }
 
 
@@ -71,3 +71,8 @@ def feature_payload(feature: Feature, aliases: list[str], providers: dict[int, P
 def provider_payload(provider: Provider) -> dict:
     return {"id": provider.pk, "name": provider.name, "kind": provider.kind, "base_url": provider.base_url,
             "remote_model": provider.remote_model, "monthly_limit_micro_usd": provider.monthly_limit_micro_usd}
+
+
+def in_flight_payload(row: InFlightCap) -> dict:
+    who = {"scope": "user", "user": row.user.get_username()} if row.user_id else {"scope": "default"}
+    return who | {"period": "in_flight", "max_in_flight": row.max_in_flight}

@@ -11,6 +11,7 @@ urlpatterns = [
     path("keys/<int:key_id>/rotate", views.key_rotate, name="manage-key-rotate"),
     path("keys/<int:key_id>/caps", views.key_caps, name="manage-key-caps"),
     path("quotas", views.quotas, name="manage-quotas"),
+    path("in-flight", views.in_flight, name="manage-in-flight"),
     path("features", views.features, name="manage-features"),
     path("features/<str:name>", views.feature_detail, name="manage-feature"),
     path("providers", views.providers, name="manage-providers"),

@@ -25,14 +25,26 @@ from budgets.actions import (
     KeyNotRotatable,
     do_rotate_api_key,
     do_save_with_audit,
+    do_set_in_flight_cap,
     do_set_key_caps,
     do_set_quota,
     do_set_tag_quota,
     do_set_team_quota,
     snapshot,
 )
-from budgets.forms import CapsForm, FeatureForm, KeyCapsForm, TagField
-from budgets.models import Feature, Period, Provider, Quota, TagQuota, Team, TeamQuota, TokenLog, tag_validator
+from budgets.forms import CapsForm, FeatureForm, InFlightForm, KeyCapsForm, TagField
+from budgets.models import (
+    Feature,
+    InFlightCap,
+    Period,
+    Provider,
+    Quota,
+    TagQuota,
+    Team,
+    TeamQuota,
+    TokenLog,
+    tag_validator,
+)
 from budgets.usage import NO_USAGE, caps_of, effective_caps, tag_month_spend, total_usage, usage_by
 from budgets.views.config import FEATURE_FIELDS
 from inference.actions import do_set_model_aliases, do_switch_quantization, switch_refusal
@@ -42,7 +54,15 @@ from inference.models import ModelAlias
 from .actions import do_create_api_key_for, do_revoke_api_key_for
 from .http import ApiError, bad_field, error_response, not_found, staff_api
 from .openapi import openapi_document
-from .payloads import caps_payload, feature_payload, key_payload, provider_payload, quota_payload, usage_payload
+from .payloads import (
+    caps_payload,
+    feature_payload,
+    in_flight_payload,
+    key_payload,
+    provider_payload,
+    quota_payload,
+    usage_payload,
+)
 
 CAP_FIELDS = ("max_requests", "max_tokens", "max_cost_usd")
 SCOPES = ("user", "default", "team", "api_key", "tag")
@@ -212,6 +232,7 @@ def _all_quotas() -> list[dict]:
     rows = [quota_payload(q) for q in Quota.objects.select_related("user", "feature").order_by("id")]
     rows += [quota_payload(q) for q in TeamQuota.objects.select_related("team", "feature").order_by("id")]
     rows += [quota_payload(q) for q in TagQuota.objects.order_by("tag")]
+    rows += [in_flight_payload(row) for row in InFlightCap.objects.select_related("user")]
     capped = ApiKey.objects.select_related("user").filter(
         Q(*[Q(**{f"{name}__isnull": False}) for name in KEY_CAP_FIELDS], _connector=Q.OR), revoked_at__isnull=True)
     rows += [{"scope": "api_key", "key": key.pk, "caps": key_payload(key)["caps"]} for key in capped]
@@ -273,6 +294,22 @@ def _set_tag_quota(request, body, period, caps) -> int:
     if not form.is_valid():
         raise _form_errors(form)
     return len(do_set_tag_quota(request.actor, form.cleaned_data["tag"], caps["max_cost_micro_usd"] if caps else None))
+
+
+@staff_api("GET", "PUT")
+def in_flight(request: HttpRequest):
+    """Requests in flight at once per user, or everyone's default (`user` null or left out), as on the
+    user's and the defaults page (InFlightForm, do_set_in_flight_cap); `max_in_flight` null removes the cap."""
+    if request.method == "GET":
+        rows = InFlightCap.objects.select_related("user").order_by("user__username")
+        return 200, {"in_flight": [in_flight_payload(row) for row in rows]}
+    body = request.body_json
+    _unknown_fields(body, ("user", "max_in_flight"))
+    user = _user(_text(body, "user")) if body.get("user") is not None else None
+    form = InFlightForm({"inflight-max_in_flight": body.get("max_in_flight")}, current=None, for_user=user is not None)
+    if not form.is_valid():
+        raise _form_errors(form)
+    return 200, {"changes": len(do_set_in_flight_cap(request.actor, user, form.value()))}
 
 
 # --- features' routing ----------------------------------------------------------------------------

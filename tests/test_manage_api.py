@@ -183,6 +183,17 @@ def test_quotas_at_every_scope(manage, staff, alice, chat_feature):
     assert AuditEntry.objects.filter(actor=staff, target="tag quota support/month").exists()
     assert manage.put("/quotas", json=puts[0]).json() == {"changes": 0}  # the same again changes nothing
 
+    # Requests in flight at once: a user's, everyone's default, a key's (on its caps)
+    assert manage.put("/in-flight", json={"user": "alice", "max_in_flight": 2}).json() == {"changes": 1}
+    assert manage.put("/in-flight", json={"max_in_flight": 8}).json() == {"changes": 1}
+    assert {(row["scope"], row["max_in_flight"]) for row in manage.get("/in-flight").json()["in_flight"]} == {
+        ("user", 2), ("default", 8)}
+    assert manage.patch(f"/keys/{key.pk}/caps", json={"max_in_flight": 1}).json()["key"]["caps"]["max_in_flight"] == 1
+    assert AuditEntry.objects.filter(actor=staff, target="in-flight cap alice", field="max_in_flight", after="2").exists()
+    zero = manage.put("/in-flight", json={"user": "alice", "max_in_flight": 0})
+    assert zero.status_code == 400 and error_of(zero)["field"] == "max_in_flight"
+    assert manage.put("/in-flight", json={"user": "alice", "max_in_flight": None}).json() == {"changes": 1}
+
     refusals = [
         ({"scope": "planet", "period": "day"}, "scope"),
         ({"scope": "user", "user": "alice", "period": "week"}, "period"),
