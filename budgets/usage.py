@@ -22,6 +22,7 @@ from .guard import IN_FLIGHT, SETTLED, Ceiling, Scopes, applicable_ceilings, led
 from .models import Feature, Period, Provider, Quota, Team, TokenLog
 from .money import format_usd
 from .periods import describe_reset, period_bounds
+from .tags import tags_text
 
 TOP_USERS = 50
 BINS_PER_DECADE = 4  # log-spaced histogram: 1, 1.8, 3.2, 5.6, 10, ... micro-dollars
@@ -124,6 +125,18 @@ def effective_caps(quotas: dict[tuple[bool, str], Quota], period: str) -> tuple[
     """
     own = quotas.get((True, period))
     return caps_of(own or quotas.get((False, period))), own is not None
+
+
+def tag_month_spend(tags: list[str], now: datetime) -> dict[str, int]:
+    """This month's settled spend (micro-dollars) of the requests carrying each tag: one aggregate,
+    a conditional sum per tag. Cache hits cost nothing and are left out, as the guard counts them."""
+    if not tags:
+        return {}
+    start, end = period_bounds(Period.MONTH, now)
+    sums = TokenLog.objects.filter(SETTLED, cache="", created_at__gte=start, created_at__lt=end).aggregate(**{
+        f"t{i}": Sum("cost_micro_usd", filter=Q(tags__contains=tags_text([tag]))) for i, tag in enumerate(tags)
+    })
+    return {tag: sums[f"t{i}"] or 0 for i, tag in enumerate(tags)}
 
 
 # --- cost per user: the long tail ---------------------------------------------------------------

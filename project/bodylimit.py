@@ -8,8 +8,9 @@ send a body of any size. This middleware runs first:
 - a body without one (chunked): counted as it arrives and cut off at the limit with the same 413;
 - else the body (at most the limit) is handed to Django unchanged.
 
-The limit is CEILING_MAX_BODY_BYTES, and for /v1/ the smaller CEILING_MAX_FRAME_BYTES (an API body
-is one chat request); /v1 answers in OpenAI's error shape, other paths in plain text.
+The limit is CEILING_MAX_BODY_BYTES, and for /v1/ and the management API (/manage/v1/) the smaller
+CEILING_MAX_FRAME_BYTES (an API body is one chat request, a management body one change); /v1 answers
+in OpenAI's error shape, /manage/v1/ in its own JSON shape, other paths in plain text.
 
 daphne's Twisted side stores a request's whole body before it calls the application at all, so
 limit_daphne_bodies() applies the same limits inside daphne, as the bytes arrive (see there); the
@@ -30,10 +31,11 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 API_PREFIX = "/v1/"
+MANAGE_PREFIX = "/manage/v1/"
 
 
 def limit_for(path: str) -> int:
-    if path.startswith(API_PREFIX):
+    if path.startswith((API_PREFIX, MANAGE_PREFIX)):
         return min(settings.CEILING_MAX_FRAME_BYTES, settings.CEILING_MAX_BODY_BYTES)
     return settings.CEILING_MAX_BODY_BYTES
 
@@ -115,7 +117,10 @@ async def answer(scope: Scope, send: Send, status: int, code: str, message: str)
 
 
 def error_body(path: str, code: str, message: str) -> tuple[bytes, bytes]:
-    """(body, content type) of a refusal: OpenAI's error shape under /v1/, a plain sentence elsewhere."""
+    """(body, content type) of a refusal: OpenAI's error shape under /v1/, the management API's under
+    /manage/v1/ (control/http.py), a plain sentence elsewhere."""
+    if path.startswith(MANAGE_PREFIX):
+        return json.dumps({"error": {"code": code, "message": message, "field": None}}).encode(), b"application/json"
     if path.startswith(API_PREFIX):
         error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
         return json.dumps({"error": error}).encode(), b"application/json"

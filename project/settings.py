@@ -216,6 +216,7 @@ INSTALLED_APPS = [
     "accounts",
     "budgets",
     "inference",
+    "control",
 ]
 
 MIDDLEWARE = [

@@ -9,6 +9,8 @@ urlpatterns = [
     path("accounts/", include("accounts.urls")),
     path("", include("inference.urls")),
     path("", include("budgets.urls")),
+    path("manage/v1/", include("control.urls")),
+    path("staff/tokens/", include("control.page_urls")),
     path("admin/", admin.site.urls),
     path("metrics", metrics_view, name="metrics"),
 ]

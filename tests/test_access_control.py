@@ -27,6 +27,7 @@ PUBLIC = {
     r"^$", r"^accounts/login/$", r"^accounts/logout/$", r"^v1/openapi\.json$",
     r"^healthz$", r"^readyz$",  # probes of load balancers: states only, no names (tests/test_health.py)
     r"^\^v1\(",  # any other /v1 path: a JSON 404 for anyone, it shows nothing
+    r"^manage/v1/openapi\.json$", r"^manage/v1/<path:rest>$",  # the management API's document, and its JSON 404
 }
 LOGGED_IN = {
     r"^chat/$",
@@ -39,6 +40,7 @@ LOGGED_IN = {
 }
 API_KEY = {r"^v1/chat/completions$", r"^v1/completions$", r"^v1/embeddings$", r"^v1/models$", r"^v1/models/<path:model>$"}
 METRICS_TOKEN = {r"^metrics$"}
+STAFF_TOKEN = {r"^manage/v1/"}  # the management API: a staff token (cst_…), never a session
 STAFF = {r"^staff/"}
 ADMIN = {r"^admin/"}  # Django's admin: its own login, staff (and permissions) only
 
@@ -56,7 +58,7 @@ def routes(patterns=None, prefix: str = "") -> list[str]:
 
 
 def rule_of(route: str) -> str | None:
-    for name, rules in [("public", PUBLIC), ("logged_in", LOGGED_IN), ("api_key", API_KEY), ("metrics", METRICS_TOKEN), ("staff", STAFF), ("admin", ADMIN)]:
+    for name, rules in [("public", PUBLIC), ("logged_in", LOGGED_IN), ("api_key", API_KEY), ("metrics", METRICS_TOKEN), ("staff_token", STAFF_TOKEN), ("staff", STAFF), ("admin", ADMIN)]:
         if any(re.search(rule, route) for rule in rules):
             return name
     return None
@@ -129,6 +131,17 @@ def test_the_admin_lets_in_only_staff(alice, staff):
     assert client_for(None).get("/admin/")["Location"].startswith("/admin/login/")
     assert client_for(alice).get("/admin/")["Location"].startswith("/admin/login/")
     assert client_for(staff).get("/admin/").status_code == 200
+
+
+def test_the_management_api_takes_only_staff_tokens_never_a_session(objects, alice, staff):
+    # Staff's own browser session opens nothing here either: it is CSRF-exempt, so only the Bearer token counts.
+    for route in [route for route in routes() if rule_of(route) == "staff_token"]:
+        url = concrete(route.replace("<str:name>", "chat"), objects)
+        for user in (None, alice, staff):
+            response = client_for(user).get(url)
+            assert response.status_code in (401, 405) and response["Content-Type"] == "application/json", (url, user)
+            if response.status_code == 401:
+                assert response.json()["error"]["code"] == "missing_token", (url, user)
 
 
 def test_the_api_takes_only_api_keys_never_a_session(alice, staff):

@@ -1,5 +1,6 @@
 """Which app may import which: read from the source with ast, no module is imported.
 
+    control           the management API, on top: may import accounts, budgets and inference; no app imports it
     accounts          imports no other app of ours
     budgets           may import accounts, never inference (inference listens to budgets.signals)
     inference.engine  the model runtime: no Django, Channels, Celery, nor any app, nor the rest of
@@ -100,16 +101,24 @@ def test_budgets_imports_nothing_of_inference():
     )
 
 
+@pytest.mark.parametrize("app", ["accounts", "budgets", "inference"])
+def test_no_app_imports_the_management_api(app):
+    assert_none(
+        offending(app, lambda target: top(target) == "control"),
+        f"{app}/ must not import control (the management API sits on top; it calls the apps, never the reverse)",
+    )
+
+
 def test_accounts_imports_no_other_app():
     assert_none(
-        offending("accounts", lambda target: top(target) in ("budgets", "inference", "project")),
+        offending("accounts", lambda target: top(target) in ("budgets", "inference", "project", "control")),
         "accounts/ must not import budgets, inference or project (it is the bottom app)",
     )
 
 
 def engine_forbidden(target: str) -> bool:
     name = top(target)
-    if name in FRAMEWORKS or name in ("accounts", "budgets", "project"):
+    if name in FRAMEWORKS or name in ("accounts", "budgets", "project", "control"):
         return True
     return name == "inference" and not within(target, "inference.engine")
 

@@ -16,7 +16,7 @@ from django.contrib import messages
 from django.contrib.auth import get_user_model
 from django.core.paginator import Paginator
 from django.db import transaction
-from django.db.models import Count, Q, Sum
+from django.db.models import Count
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
@@ -33,7 +33,6 @@ from ..actions import (
 )
 from ..forecast import forecasts_by_scope, tag_caps, team_caps
 from ..forms import NOT_NEGATIVE, CapsForm, DollarsField, TagField, TeamAlertsForm, TeamWebhookForm, to_micro_usd
-from ..guard import SETTLED
 from ..models import (
     Feature,
     Period,
@@ -45,10 +44,8 @@ from ..models import (
     WebhookDelivery,
     tag_validator,
 )
-from ..periods import period_bounds
 from ..permissions import staff_required
-from ..tags import tags_text
-from ..usage import NO_USAGE, Gauge, caps_of, gauges, total_usage, usage_by
+from ..usage import NO_USAGE, Gauge, caps_of, gauges, tag_month_spend, total_usage, usage_by
 from ..webhooks import new_secret
 from .config import flash_saved, with_forecast
 
@@ -226,15 +223,11 @@ def tags(request: HttpRequest) -> HttpResponse:
         return redirect("staff-tags")
     quotas = list(TagQuota.objects.order_by("tag"))
     now = timezone.now()
-    start, end = period_bounds(Period.MONTH, now)
-    # One aggregate for every capped tag: a conditional sum per tag over this month's settled rows.
-    sums = TokenLog.objects.filter(SETTLED, cache="", created_at__gte=start, created_at__lt=end).aggregate(**{
-        f"t{i}": Sum("cost_micro_usd", filter=Q(tags__contains=tags_text([q.tag]))) for i, q in enumerate(quotas)
-    }) if quotas else {}
+    spent = tag_month_spend([q.tag for q in quotas], now)
     projected = forecasts_by_scope(tag_caps([q.tag for q in quotas]), now) if quotas else {}
     rows = [
-        (q, with_forecast([Gauge(sums.get(f"t{i}") or 0, q.max_cost_micro_usd, money=True)],
+        (q, with_forecast([Gauge(spent[q.tag], q.max_cost_micro_usd, money=True)],
                           projected.get((f"tag:{q.tag}", Period.MONTH)))[0])
-        for i, q in enumerate(quotas)
+        for q in quotas
     ]
     return render(request, "budgets/tags.html", {"rows": rows, "form": form})
