@@ -56,6 +56,10 @@ class Command(DatabaseCommand):
                             help="compile the decode steps of CEILING_COMPILE_BUCKETS rows (torch.compile) and wait for "
                                  "them before the engine and stack modes run (inference/engine/owned/compiled.py)")
         parser.add_argument("--max-batch-tokens", type=int, default=settings.CEILING_MAX_BATCH_TOKENS)
+        parser.add_argument("--prefill-budget", type=int, default=settings.CEILING_PREFILL_BUDGET,
+                            help="prompt tokens a step may prefill while requests decode, 0 for no limit (CEILING_PREFILL_BUDGET)")
+        parser.add_argument("--kv-dtype", choices=("float32", "float16"), default=settings.CEILING_KV_DTYPE,
+                            help="the KV cache's dtype on a CPU (CEILING_KV_DTYPE)")
         parser.add_argument("--q4-wide-bf16", action=argparse.BooleanOptionalAction, default=settings.CEILING_Q4_WIDE_BF16,
                             help="the q4 variant's wide steps on a bf16 copy where it measures faster (CEILING_Q4_WIDE_BF16)")
         parser.add_argument("--quantization", choices=MODES, default=settings.CEILING_QUANTIZATION,
@@ -140,6 +144,8 @@ class Command(DatabaseCommand):
             raise CommandError("--stream-interval must be at least 1 token")
         if options["repeat"] < 1:
             raise CommandError("--repeat must be at least 1")
+        if options["prefill_budget"] < 0:
+            raise CommandError("--prefill-budget must be 0 (no limit) or a number of tokens")
         return WorkloadSpec(requests=requests, seed=options["seed"], shared_fraction=options["shared_fraction"],
                             rate=options["rate"], max_output_tokens=options["max_output_tokens"])
 
@@ -159,6 +165,8 @@ class Command(DatabaseCommand):
         machine["loop"] = options["loop"]
         machine["attention"] = options["attention"]
         machine["max_batch_tokens"] = options["max_batch_tokens"]
+        machine["prefill_budget"] = options["prefill_budget"]
+        machine["kv_dtype"] = options["kv_dtype"]
         machine["skinny_linear"] = options["skinny_linear"]
         machine["compile_buckets"] = list(settings.CEILING_COMPILE_BUCKETS) if options["compile_decode"] else []
         machine["quantization"] = options["quantization"]
@@ -173,6 +181,8 @@ class Command(DatabaseCommand):
             "loop": options["loop"],
             "attention": options["attention"],
             "max_batch_tokens": options["max_batch_tokens"],
+            "prefill_budget": options["prefill_budget"],
+            "kv_dtype": options["kv_dtype"],
             "skinny_linear": options["skinny_linear"],
             "quantization": options["quantization"],
             "compile_buckets": settings.CEILING_COMPILE_BUCKETS if options["compile_decode"] else (),
@@ -260,6 +270,8 @@ def stack_env(engine_options: dict, stream_interval: int) -> dict[str, str]:
         "CEILING_ENGINE_LOOP": engine_options["loop"],
         "CEILING_ATTENTION": engine_options["attention"],
         "CEILING_MAX_BATCH_TOKENS": str(engine_options["max_batch_tokens"]),
+        "CEILING_PREFILL_BUDGET": str(engine_options["prefill_budget"]),
+        "CEILING_KV_DTYPE": engine_options["kv_dtype"],
         "CEILING_SKINNY_LINEAR": "1" if engine_options["skinny_linear"] else "0",
         "CEILING_QUANTIZATION": engine_options["quantization"],
         "CEILING_COMPILE_DECODE": "1" if engine_options["compile_buckets"] else "0",
