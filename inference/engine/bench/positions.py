@@ -22,6 +22,7 @@ DEFAULT_POSITIONS = (0, 500, 1000, 2000)
 class PositionRun:
     kv_dtype: str
     ms_per_token: dict[int, list[float]] = field(default_factory=dict)  # position → one figure per round
+    decode_path: str = ""  # how decode steps ran: the stack's report (used, slower, unavailable) and why
 
     def medians(self) -> dict[int, float]:
         return {position: round(statistics.median(runs), 2) for position, runs in self.ms_per_token.items()}
@@ -35,6 +36,7 @@ class PositionRun:
     def as_dict(self) -> dict:
         return {
             "kv_dtype": self.kv_dtype,
+            "decode_path": self.decode_path,
             "ms_per_token_median": {str(p): v for p, v in self.medians().items()},
             "ratio_to_first": {str(p): v for p, v in self.ratios().items()},
             "ms_per_token_runs": {str(p): [round(v, 2) for v in runs] for p, runs in self.ms_per_token.items()},
@@ -63,7 +65,7 @@ def measure_positions(model_dir: Path, kv_dtypes: list[str], positions: tuple[in
             engine.start()
             engine.wait_for_compile(timeout=1800)
             engines[kv_dtype] = engine
-        runs = {kv_dtype: PositionRun(kv_dtype) for kv_dtype in kv_dtypes}
+        runs = {kv_dtype: PositionRun(kv_dtype, decode_path=decode_path(engine)) for kv_dtype, engine in engines.items()}
         vocab = next(iter(engines.values())).model.config.vocab_size
         for round_number in range(rounds):
             order = kv_dtypes if round_number % 2 == 0 else list(reversed(kv_dtypes))
@@ -76,6 +78,12 @@ def measure_positions(model_dir: Path, kv_dtypes: list[str], positions: tuple[in
     finally:
         for engine in engines.values():
             engine.stop()
+
+
+def decode_path(engine) -> str:
+    """A lone decode step runs in the stack (q4) or eagerly: the ratio is only fair between engines on the same path."""
+    report = engine.stack_report()
+    return "eager (no decode stack)" if report is None else report.describe()
 
 
 def lone_ms_per_token(engine, prompt: list[int], tokens: int) -> float:
