@@ -373,6 +373,14 @@ CEILING_TORCH_THREADS = envint("CEILING_TORCH_THREADS", 2, minimum=1)
 CEILING_KV_PAGE_SIZE = envint("CEILING_KV_PAGE_SIZE", 32, minimum=1)
 CEILING_KV_BLOCKS = envint("CEILING_KV_BLOCKS", 512, minimum=8)
 CEILING_MAX_BATCH_TOKENS = envint("CEILING_MAX_BATCH_TOKENS", 512, minimum=16)
+# Prompt tokens one step may prefill while answers are streaming (0: up to CEILING_MAX_BATCH_TOKENS);
+# the default is measured on the bench's --quick burst (docs/engine.md, "Prefill budget").
+CEILING_PREFILL_BUDGET = envint("CEILING_PREFILL_BUDGET", 0, minimum=0)
+# The KV cache's dtype on a CPU (fp32 activations): float16 halves what a decode step reads per
+# cached position (docs/engine.md, "KV cache in fp16").
+CEILING_KV_DTYPE = envstr("CEILING_KV_DTYPE", "float32")
+if CEILING_KV_DTYPE not in ("float32", "float16"):
+    raise ImproperlyConfigured(f"CEILING_KV_DTYPE={CEILING_KV_DTYPE!r} is not one of float32, float16")
 CEILING_PREFIX_SHARING = envbool("CEILING_PREFIX_SHARING", True)
 # "varlen" (per-request attention, inference/engine/patches/attention.py) or "sdpa" (transformers' own); CPU only.
 # Which loop runs decode steps: "owned", Ceiling's own (inference/engine/owned/: scheduler, paged KV

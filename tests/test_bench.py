@@ -205,6 +205,8 @@ def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transa
         (["--repeat", "0"], "--repeat must be at least 1"),
         (["--modes", "engine,peer"], "the peer mode needs --peer URL"),
         (["--modes", "remote"], "the remote mode needs --peer URL"),
+        (["--prefill-budget", "-1"], "--prefill-budget must be 0"),
+        (["--kv-dtype", "int4"], "invalid choice"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(arguments, message, tmp_path):
@@ -222,6 +224,44 @@ def test_repeated_rounds_report_each_modes_median_run(transactional_db, tmp_path
     assert len(speeds) == 3 and result["machine"]["repeat"] == 3
     assert result["modes"]["engine"]["output_tokens_per_s"] == sorted(speeds)[1]
     assert printed.getvalue().count("running engine (round") == 3 and "engine runs: " in printed.getvalue()
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--venv", "{tmp}"], "is not a virtual environment"),
+        (["--first-run-timeout", "0"], "--first-run-timeout must be above 0"),
+        (["--json", "{tmp}/no/first.json"], "does not exist"),
+    ],
+)
+def test_a_first_run_refuses_bad_arguments_before_it_clones_anything(arguments, message, tmp_path):
+    """Only the argument checks: a first run itself clones and starts a whole stack (minutes), so it
+    is a bench to run by hand, never part of the suite."""
+    arguments = [argument.replace("{tmp}", str(tmp_path)) for argument in arguments]
+    with pytest.raises(CommandError, match=message):
+        call_command("bench", "--first-run", *arguments, stdout=io.StringIO())
+
+
+def test_bench_positions_times_each_position_on_each_kv_dtype(tmp_path):
+    out = tmp_path / "positions.json"
+    printed = io.StringIO()
+    call_command("bench_positions", "--positions", "0,40", "--tokens", "3", "--rounds", "2", "--quantization", "none",
+                 "--json", str(out), stdout=printed)
+    result = json.loads(out.read_text())
+    assert [run["kv_dtype"] for run in result["runs"]] == ["float32", "float16"]
+    for run in result["runs"]:
+        assert all(len(times) == 2 and min(times) > 0 for times in run["ms_per_token_runs"].values())
+        assert set(run["ms_per_token_median"]) == {"0", "40"} and run["ratio_to_first"]["0"] == 1.0
+    assert "float16 cache, median of 2: 0: " in printed.getvalue()
+
+
+def test_bench_positions_refuses_bad_arguments():
+    with pytest.raises(CommandError, match="--positions must name positions from 0 to 8000"):
+        call_command("bench_positions", "--positions", "0,9000", stdout=io.StringIO())
+    with pytest.raises(CommandError, match="comma-separated whole numbers"):
+        call_command("bench_positions", "--positions", "0,half", stdout=io.StringIO())
+    with pytest.raises(CommandError, match="unknown KV dtype"):
+        call_command("bench_positions", "--kv-dtypes", "float32,int4", stdout=io.StringIO())
 
 
 def test_a_json_path_in_a_missing_folder_is_refused(tmp_path):

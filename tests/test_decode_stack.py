@@ -79,6 +79,7 @@ def prefilled(runner: ModelRunner, lengths: list[int], seed: int = 0) -> list[Se
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    got, expected = got.float(), expected.float()
     return ((got - expected).norm() / expected.norm()).item()
 
 
@@ -92,10 +93,16 @@ def test_a_stacked_step_computes_what_the_eager_step_computes(family, lengths, r
     assert_stacked_steps_match_eager(request.getfixturevalue(family), lengths)
 
 
-def assert_stacked_steps_match_eager(model: nn.Module, lengths: list[int]) -> None:
+@pytest.mark.parametrize("lengths", [[37], [5, 40, 17]])
+def test_a_stacked_step_on_an_fp16_cache_computes_what_the_eager_step_computes(lengths, llama):
+    assert_stacked_steps_match_eager(llama, lengths, kv_dtype=torch.float16)
+
+
+def assert_stacked_steps_match_eager(model: nn.Module, lengths: list[int], kv_dtype: torch.dtype = torch.float32) -> None:
     """Three decode steps of requests of these prompt lengths, eager and stacked from the same cache.
     (tests/test_lowbit_kernels.py reruns it on the kernels' narrower instruction paths.)"""
-    runner = ModelRunner(model, BLOCKS, PAGE, paged_attention=True)
+    runner = ModelRunner(model, BLOCKS, PAGE, paged_attention=True, kv_dtype=kv_dtype)
+    assert runner.k_cache[0].dtype == kv_dtype
     assert stack.unavailable_reason(runner) is None
     stacked = stack.StackedDecode(runner)
     seqs = prefilled(runner, lengths)
@@ -152,7 +159,7 @@ def test_runners_the_stack_cannot_serve_say_why(llama):
     assert stack.unavailable_reason(ModelRunner(fp32, BLOCKS, PAGE, paged_attention=True)) == (
         "the block linears are not 4-bit weights on Ceiling's kernels")
     assert stack.unavailable_reason(ModelRunner(llama, BLOCKS, PAGE, paged_attention=False)) == (
-        "the KV cache is not fp32 on a CPU with Ceiling's kernels loaded")
+        "the activations are not fp32 on a CPU with Ceiling's kernels loaded")
     report = stack.install(ModelRunner(fp32, BLOCKS, PAGE, paged_attention=True))
     assert report.state == "unavailable" and report.describe() == (
         "decode steps in one C++ call: not here (the block linears are not 4-bit weights on Ceiling's kernels)")

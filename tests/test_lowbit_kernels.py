@@ -181,10 +181,12 @@ def test_the_narrower_instruction_paths_compute_the_same_products(path, tmp_path
         "    products.test_the_int8_kernel_computes_the_quantized_product(in_features, rows)\n"
         "for shape in ((1, 300, 9, 3), (4, 77, 9, 3), (2, 40, 16, 2)):\n"
         "    attention.test_the_kernel_computes_the_gathered_attention(*shape)\n"
+        "    attention.test_the_kernel_reads_an_fp16_cache_as_the_same_values_widened(*shape)\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "from tests import test_decode_stack as stacked\n"
         "model = stacked.four_bit_model(lambda: LlamaForCausalLM(LlamaConfig(**stacked.SHAPE)))\n"
         "stacked.assert_stacked_steps_match_eager(model, [5, 40, 17])\n"
+        "stacked.assert_stacked_steps_match_eager(model, [5, 40, 17], kv_dtype=torch.float16)\n"
         "print('all equal')\n"
     )
     finished = subprocess.run([sys.executable, "-c", script], cwd=REPOSITORY, capture_output=True, text=True,

@@ -157,6 +157,37 @@ def test_prompt_chunks_go_shortest_first_until_a_long_prompt_has_waited_its_agin
     assert [(c.seq.request_id, c.start, c.end) for c in plan.prefill] == [("long", 24, 86)]
 
 
+def test_while_requests_decode_a_step_prefills_no_more_than_the_prefill_budget():
+    scheduler = Scheduler(BlockManager(num_blocks=64, page_size=8, prefix_sharing=False), max_batch_tokens=64,
+                          prefill_budget=16)
+    first, second = _sequence(list(range(40)), request_id="first"), _sequence(list(range(30)), request_id="second")
+    scheduler.add(first)
+    plan = scheduler.schedule()  # nothing decodes yet: the whole batch goes to the prompt
+    assert [(c.seq.request_id, c.start, c.end) for c in plan.prefill] == [("first", 0, 40)]
+    first.computed = 40
+    scheduler.add(second)
+    plan = scheduler.schedule()  # first decodes now: second's prompt goes 16 tokens a step
+    assert plan.decode == [first] and [(c.start, c.end) for c in plan.prefill] == [(0, 16)]
+    second.computed = 16
+    plan = scheduler.schedule()
+    assert [(c.start, c.end) for c in plan.prefill] == [(16, 30)] and plan.tokens == 15
+    unlimited = Scheduler(BlockManager(num_blocks=64, page_size=8, prefix_sharing=False), max_batch_tokens=64)
+    decoding, waiting = _sequence(list(range(8)), request_id="d"), _sequence(list(range(100)), request_id="w")
+    unlimited.add(decoding)
+    unlimited.schedule()
+    decoding.computed = 8
+    unlimited.add(waiting)
+    plan = unlimited.schedule()  # no budget: the batch's tokens left beside the decode row
+    assert [(c.start, c.end) for c in plan.prefill] == [(0, 63)]
+
+
+def test_an_engine_refuses_a_kv_dtype_or_prefill_budget_it_does_not_know():
+    with pytest.raises(EngineError, match="kv_dtype must be one of float32, float16"):
+        EngineConfig(model_dir=model_dir(), kv_dtype="int4")
+    with pytest.raises(EngineError, match="prefill_budget must be 0"):
+        EngineConfig(model_dir=model_dir(), prefill_budget=-1)
+
+
 def test_prefix_blocks_are_shared_revived_from_the_free_list_and_never_the_last_prompt_block():
     blocks = BlockManager(num_blocks=12, page_size=4, prefix_sharing=True)
     prompt = list(range(13))  # blocks [0-3] [4-7] [8-11] full, [12] holds the last token

@@ -49,6 +49,21 @@ def test_the_kernel_computes_the_gathered_attention(rows, positions, heads, kv_h
     torch.testing.assert_close(got, gathered_attention(q, k_cache, v_cache, slots, lengths), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("rows", "positions", "heads", "kv_heads"), [(1, 300, 9, 3), (4, 77, 9, 3), (2, 2000, 4, 4), (2, 40, 16, 2)])
+def test_the_kernel_reads_an_fp16_cache_as_the_same_values_widened(rows, positions, heads, kv_heads):
+    """fp16 rounds each key and value once, when written; reading them back loses nothing more."""
+    generator = torch.Generator().manual_seed(rows + positions)
+    cache_slots = positions * rows + 64
+    k_cache = torch.randn(cache_slots, kv_heads, 64, generator=generator).half()
+    v_cache = torch.randn(cache_slots, kv_heads, 64, generator=generator).half()
+    q = torch.randn(rows, heads, 64, generator=generator)
+    slots = torch.stack([torch.randperm(cache_slots, generator=generator)[:positions] for _ in range(rows)])
+    lengths = torch.tensor([max(1, positions - 13 * row) for row in range(rows)])
+    got = torch.ops.ceiling.decode_attention(q, k_cache, v_cache, slots, lengths)
+    expected = gathered_attention(q, k_cache.float(), v_cache.float(), slots, lengths)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_slots_past_a_rows_length_are_never_read():
     k_cache, v_cache, q = torch.randn(16, 1, 64), torch.randn(16, 1, 64), torch.randn(1, 1, 64)
     slots = torch.tensor([[3, 4, 99_999]])  # the third would be outside the cache, past the row's length
@@ -59,6 +74,7 @@ def test_slots_past_a_rows_length_are_never_read():
 @pytest.mark.parametrize(("change", "message"), [
     ({"q": torch.randn(1, 9, 64).double()}, r"q must be a contiguous \[rows, heads, head_dim\] float32 tensor"),
     ({"k_cache": torch.randn(32, 3, 64).bfloat16()}, "the caches must be contiguous"),
+    ({"k_cache": torch.randn(32, 3, 64).half()}, "the caches must be contiguous"),  # K and V of one type
     ({"q": torch.randn(1, 8, 64)}, "heads are not a multiple of kv_heads"),
     ({"lengths": torch.tensor([11])}, "row 0 sees 11 positions, its slots hold 10"),
     ({"lengths": torch.tensor([0])}, "row 0 sees 0 positions"),
@@ -80,6 +96,21 @@ def test_eager_decode_steps_on_the_kernel_answer_as_greedy(model, prompts):  # n
     manager.start()
     try:
         assert manager.runner.paged_attention
+        answers = run_to_the_end(manager, {f"r{i}": p for i, p in enumerate(prompts)}, 16)
+    finally:
+        manager.stop()
+    for index, prompt in enumerate(prompts):
+        assert answers[f"r{index}"] == greedy(model, prompt, 16)
+
+
+def test_eager_decode_steps_on_an_fp16_cache_answer_as_greedy(model, prompts):  # noqa: F811
+    """The fp16 cache (CEILING_KV_DTYPE=float16) under chunked prefill and batched decode rows on the
+    kernel: the short prompts' greedy answers are those of fp32 full forward passes."""
+    manager = OwnedManager(model, num_blocks=64, page_size=16, max_batch_tokens=16, prefix_sharing=True,
+                           paged_attention=True, kv_dtype=torch.float16)
+    manager.start()
+    try:
+        assert manager.runner.k_cache[0].dtype == torch.float16 and manager.runner.paged_attention
         answers = run_to_the_end(manager, {f"r{i}": p for i, p in enumerate(prompts)}, 16)
     finally:
         manager.stop()

@@ -15,6 +15,9 @@ FINISH_CANCELLED = "cancelled"
 FINISH_ERROR = "error"
 
 
+KV_DTYPE_NAMES = ("float32", "float16")
+
+
 class EngineError(RuntimeError):
     """The engine cannot take or finish a request; the message is safe to show to a user."""
 
@@ -27,6 +30,12 @@ class EngineConfig:
     page_size: int = 32
     num_blocks: int = 512
     max_batch_tokens: int = 512
+    # Owned loop: prompt tokens a step may prefill while any request is decoding (0: up to
+    # max_batch_tokens), so streaming answers are not held up by big prompt chunks (owned/scheduler.py).
+    prefill_budget: int = 0
+    # Owned loop, fp32 activations on a CPU: the KV cache's dtype, "float32" or "float16" (half the
+    # bytes a decode step reads per cached position; owned/runner.py cache_dtype).
+    kv_dtype: str = "float32"
     prefix_sharing: bool = True
     # "owned": Ceiling's decode loop (inference/engine/owned/); "transformers": transformers'
     # ContinuousBatchingManager, also used when the owned loop cannot run the model.
@@ -52,6 +61,12 @@ class EngineConfig:
     # under the system's temporary directory); torch's kernels where they cannot be built, or with False.
     own_kernels: bool = True
     kernel_cache_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPE_NAMES:
+            raise EngineError(f"kv_dtype must be one of {', '.join(KV_DTYPE_NAMES)}, not {self.kv_dtype!r}")
+        if self.prefill_budget < 0:
+            raise EngineError(f"prefill_budget must be 0 (no limit) or a number of tokens, not {self.prefill_budget}")
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs

@@ -34,7 +34,7 @@ from .chat import encode_chat
 from .config import GREEDY, EngineConfig, EngineError, Sampling
 from .internals import kv_block_usage, scheduler_counts
 from .owned.manager import OwnedManager
-from .owned.runner import unsupported_reason
+from .owned.runner import KV_DTYPES, unsupported_reason
 from .patches import attention
 from .patches.linears import describe, measure_row_buckets, plain_linears, use_skinny_linears
 from .patches.quantization import (
@@ -201,6 +201,7 @@ class Engine:
                 max_batch_tokens=self.config.max_batch_tokens, prefix_sharing=self.config.prefix_sharing,
                 compile_buckets=() if self.config.device.startswith("cuda") else self.config.compile_buckets,
                 compile_cache_dir=self.config.compile_cache_dir, paged_attention=self.paged_attention,
+                prefill_budget=self.config.prefill_budget, kv_dtype=KV_DTYPES[self.config.kv_dtype],
             )
             manager.start()
             return manager

@@ -181,3 +181,27 @@ def write_html(path: Path, result: dict, details: dict) -> None:
         + "".join(parts)
         + f"<h2>Workload and machine</h2><pre>{html.escape(json.dumps({k: result[k] for k in ('workload', 'machine')}, indent=2))}</pre>"
     )
+
+
+def first_run_table(result: dict) -> str:
+    """`bench --first-run`'s figures as lines a person reads."""
+    lines = [f"page answered: {_seconds(result['page_s'])} after `make run`",
+             f"first chat's first token: {_seconds(result['first_token_s'])} after `make run`"]
+    peers = result.get("peer_ms_per_token") or []
+    for index, chat in enumerate(result["chats"]):
+        peer = peers[index] if index < len(peers) else None
+        if "error" in chat:
+            lines.append(f"chat {index + 1}: {chat['error']}")
+            continue
+        beside = f" (peer {peer:.2f} ms)" if peer else ""
+        lines.append(f"chat {index + 1}: TTFT {chat['ttft_ms']:.0f} ms, {chat['ms_per_token'] or 0:.2f} ms/token "
+                     f"over {chat['tokens']} tokens{beside}")
+    if result.get("ms_per_token_median"):
+        peer = result.get("peer_ms_per_token_median")
+        ratio = f", {result['ms_per_token_median'] / peer:.2f}x the peer's {peer:.2f} ms" if peer else ""
+        lines.append(f"median: {result['ms_per_token_median']:.2f} ms/token{ratio}")
+    return "\n".join(lines)
+
+
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f} s"

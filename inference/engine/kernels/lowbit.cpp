@@ -40,6 +40,10 @@ inline int omp_get_thread_num() { return 0; }
 inline int omp_get_num_threads() { return 1; }
 #endif
 
+#ifdef __F16C__  // the fp16 cache's conversions (store_kv)
+#include <immintrin.h>
+#endif
+
 #if defined(__AVX512F__) && defined(__F16C__)
 #include <immintrin.h>
 #define CEILING_AVX512 1
@@ -510,6 +514,25 @@ constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2High = 0.693145751953125f, kLn2Low = 1.428606765330187e-06f;  // ln2 split in two for exactness
 constexpr float kExpTaylor[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};  // f^7 … f^0
 
+// The KV cache holds fp32 or fp16 (at::Half) values: attention reads either, always computing in
+// fp32. fp16 halves the bytes a step reads per cached position (a lone SmolLM2 row at 2,000 positions
+// reads as much fp32 cache as 4-bit weights); its 10-bit mantissa rounds each key and value once,
+// when it is written.
+inline float as_float(float x) { return x; }
+inline float as_float(at::Half x) { return static_cast<float>(x); }
+
+// dim values from fp32 into the cache's type (round to nearest even for fp16).
+inline void store_kv(float* target, const float* source, int64_t dim) { std::copy_n(source, dim, target); }
+inline void store_kv(at::Half* target, const float* source, int64_t dim) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= dim; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(target + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(source + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < dim; ++i) target[i] = at::Half(source[i]);
+}
+
 #ifdef CEILING_AVX512
 // e^x for 16 floats; 2^n by vscalefps.
 inline __m512 exp_ps(__m512 x) {
@@ -524,17 +547,22 @@ inline __m512 exp_ps(__m512 x) {
 #endif
 
 #ifdef CEILING_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // attend_one_kv_head for heads of 64 and G query heads per KV head, everything in registers.
-template <int G>
-void attend_64(const float* q, const float* keys, const float* values, int64_t stride, const int64_t* slots,
+template <int G, typename T>
+void attend_64(const float* q, const T* keys, const T* values, int64_t stride, const int64_t* slots,
                int64_t seen, float scale, float* scores, int64_t ld_scores, float* out) {
   __m512 qv[G][4];
   for (int64_t h = 0; h < G; ++h)
     for (int i = 0; i < 4; ++i) qv[h][i] = _mm512_mul_ps(_mm512_loadu_ps(q + h * 64 + i * 16), _mm512_set1_ps(scale));
   for (int64_t t = 0; t < seen; ++t) {
-    const float* key = keys + slots[t] * stride;
-    const __m512 k0 = _mm512_loadu_ps(key), k1 = _mm512_loadu_ps(key + 16);
-    const __m512 k2 = _mm512_loadu_ps(key + 32), k3 = _mm512_loadu_ps(key + 48);
+    const T* key = keys + slots[t] * stride;
+    const __m512 k0 = load16(key), k1 = load16(key + 16);
+    const __m512 k2 = load16(key + 32), k3 = load16(key + 48);
     for (int64_t h = 0; h < G; ++h) {
       __m512 a = _mm512_mul_ps(qv[h][0], k0);
       a = _mm512_fmadd_ps(qv[h][1], k1, a);
@@ -564,9 +592,9 @@ void attend_64(const float* q, const float* keys, const float* values, int64_t s
     for (int i = 0; i < 4; ++i) total[h][i] = _mm512_setzero_ps();
   }
   for (int64_t t = 0; t < seen; ++t) {
-    const float* value = values + slots[t] * stride;
-    const __m512 v0 = _mm512_loadu_ps(value), v1 = _mm512_loadu_ps(value + 16);
-    const __m512 v2 = _mm512_loadu_ps(value + 32), v3 = _mm512_loadu_ps(value + 48);
+    const T* value = values + slots[t] * stride;
+    const __m512 v0 = load16(value), v1 = load16(value + 16);
+    const __m512 v2 = load16(value + 32), v3 = load16(value + 48);
     for (int64_t h = 0; h < G; ++h) {
       const __m512 w = _mm512_set1_ps(scores[h * ld_scores + t]);
       total[h][0] = _mm512_fmadd_ps(w, v0, total[h][0]);
@@ -593,17 +621,20 @@ inline __m256 exp_ps(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
 }
 
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 // attend_one_kv_head for heads of 64 and G query heads per KV head, 8 lanes at a time: a head is
 // 8 vectors, too many to keep G of them in 16 registers, so the (scaled) queries are read from L1.
-template <int G>
-void attend_64(const float* q, const float* keys, const float* values, int64_t stride, const int64_t* slots,
+template <int G, typename T>
+void attend_64(const float* q, const T* keys, const T* values, int64_t stride, const int64_t* slots,
                int64_t seen, float scale, float* scores, int64_t ld_scores, float* out) {
   alignas(32) float scaled[G * 64];
   for (int64_t i = 0; i < G * 64; ++i) scaled[i] = q[i] * scale;
   for (int64_t t = 0; t < seen; ++t) {
-    const float* key = keys + slots[t] * stride;
+    const T* key = keys + slots[t] * stride;
     __m256 k[8];
-    for (int i = 0; i < 8; ++i) k[i] = _mm256_loadu_ps(key + i * 8);
+    for (int i = 0; i < 8; ++i) k[i] = load8(key + i * 8);
     for (int64_t h = 0; h < G; ++h) {
       const float* head = scaled + h * 64;
       __m256 a = _mm256_mul_ps(_mm256_load_ps(head), k[0]), b = _mm256_mul_ps(_mm256_load_ps(head + 8), k[1]);
@@ -637,9 +668,9 @@ void attend_64(const float* q, const float* keys, const float* values, int64_t s
     __m256 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
     for (t = 0; t < seen; ++t) {
-      const float* value = values + slots[t] * stride;
+      const T* value = values + slots[t] * stride;
       const __m256 w = _mm256_set1_ps(score[t] * inverse);
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + i * 8), acc[i]);
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, load8(value + i * 8), acc[i]);
     }
     for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + h * 64 + i * 8, acc[i]);
   }
@@ -649,26 +680,27 @@ void attend_64(const float* q, const float* keys, const float* values, int64_t s
 // The `group` query heads that share one KV head, over one row's `seen` positions: scores (scaled
 // dot products), their softmax, and the weighted sum of the values into out[group, dim]. `keys`
 // and `values` point at this KV head's first dimension of slot 0; a slot's row is `stride` floats.
-void attend_one_kv_head(const float* q, const float* keys, const float* values, int64_t stride, const int64_t* slots,
+template <typename T>
+void attend_one_kv_head(const float* q, const T* keys, const T* values, int64_t stride, const int64_t* slots,
                         int64_t seen, int64_t group, int64_t dim, float scale, float* scores, int64_t ld_scores,
                         float* out) {
 #if defined(CEILING_AVX512) || defined(CEILING_AVX2)
   if (dim == 64 && group <= 4) {  // SmolLM2's and most small models' heads
     switch (group) {
-      case 1: return attend_64<1>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
-      case 2: return attend_64<2>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
-      case 3: return attend_64<3>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
-      default: return attend_64<4>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
+      case 1: return attend_64<1, T>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
+      case 2: return attend_64<2, T>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
+      case 3: return attend_64<3, T>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
+      default: return attend_64<4, T>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
     }
   }
 #endif
   for (int64_t t = 0; t < seen; ++t) {
-    const float* key = keys + slots[t] * stride;
+    const T* key = keys + slots[t] * stride;
     for (int64_t h = 0; h < group; ++h) {
       const float* q_head = q + h * dim;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < dim; ++d) dot += q_head[d] * key[d];
+      for (int64_t d = 0; d < dim; ++d) dot += q_head[d] * as_float(key[d]);
       scores[h * ld_scores + t] = dot * scale;
     }
   }
@@ -681,10 +713,10 @@ void attend_one_kv_head(const float* q, const float* keys, const float* values, 
     float* total = out + h * dim;
     std::fill_n(total, dim, 0.f);
     for (int64_t t = 0; t < seen; ++t) {
-      const float* value = values + slots[t] * stride;
+      const T* value = values + slots[t] * stride;
       const float weight = score[t] * inverse;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) total[d] += weight * value[d];
+      for (int64_t d = 0; d < dim; ++d) total[d] += weight * as_float(value[d]);
     }
   }
 }
@@ -699,7 +731,8 @@ constexpr int64_t kAttentionGrain = ATTENTION_GRAIN;
 // Every row's attention, one task per (row, KV head), over slots checked by the caller. A row's
 // query heads start `q_row_stride` floats after the previous row's (the stack reads them in place
 // in its fused q|k|v output); `slots` holds `positions` per row, of which row r reads length[r].
-void attend_rows(const float* query, int64_t q_row_stride, const float* keys, const float* values, int64_t kv_heads,
+template <typename T>
+void attend_rows(const float* query, int64_t q_row_stride, const T* keys, const T* values, int64_t kv_heads,
                  int64_t heads, int64_t dim, const int64_t* slot, int64_t positions, const int64_t* length,
                  int64_t rows, float* result) {
   const int64_t group = heads / kv_heads;
@@ -722,14 +755,15 @@ void attend_rows(const float* query, int64_t q_row_stride, const float* keys, co
 // into a tensor first (a gather of every layer's K and V per step, then scaled_dot_product_attention
 // at ~70 µs a call, was a fifth of a lone compiled step). One task per (row, KV head): its query
 // heads (grouped-query attention) share each key and value as it is read. Two passes over the
-// scores (max, then exp and sum), as the softmax is defined; fp32 throughout.
+// scores (max, then exp and sum), as the softmax is defined; fp32 arithmetic over an fp32 or fp16 cache.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& slots, const at::Tensor& lengths) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "decode_attention: q must be a contiguous [rows, heads, head_dim] float32 tensor");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "decode_attention: the caches must be contiguous [slots, kv_heads, head_dim] float32 tensors");
+  const auto cache_type = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 3 && (cache_type == at::kFloat || cache_type == at::kHalf) && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == cache_type && v_cache.is_contiguous(),
+              "decode_attention: the caches must be contiguous [slots, kv_heads, head_dim] float32 or float16 tensors");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == dim && heads % kv_heads == 0,
               "decode_attention: head_dim differs or heads are not a multiple of kv_heads");
@@ -748,8 +782,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       TORCH_CHECK(slot[r * positions + t] >= 0 && slot[r * positions + t] < cache_slots,
                   "decode_attention: a slot past the cache's ", cache_slots);
   }
-  attend_rows(q.data_ptr<float>(), heads * dim, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), kv_heads,
-              heads, dim, slot, positions, length, rows, out.data_ptr<float>());
+  if (cache_type == at::kHalf)
+    attend_rows(q.data_ptr<float>(), heads * dim, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(),
+                kv_heads, heads, dim, slot, positions, length, rows, out.data_ptr<float>());
+  else
+    attend_rows(q.data_ptr<float>(), heads * dim, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), kv_heads,
+                heads, dim, slot, positions, length, rows, out.data_ptr<float>());
   return out;
 }
 
@@ -861,12 +899,12 @@ void add_into(float* target, const float* source, int64_t count) {
 struct StackLayer {
   at::Tensor input_norm, post_norm;
   StackLinear qkv, o, gate_up, down;
-  at::Tensor k_cache, v_cache;  // [slots, kv_heads, head_dim] fp32, shared with the runner
+  at::Tensor k_cache, v_cache;  // [slots, kv_heads, head_dim] fp32 or fp16, shared with the runner
   // The same memory as raw pointers, for the step's parallel region (which touches no tensor).
   const float* input_norm_values;
   const float* post_norm_values;
-  float* k_values;
-  float* v_values;
+  void* k_values;
+  void* v_values;
 };
 
 class DecodeStack : public torch::CustomClassHolder {
@@ -906,19 +944,23 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(gate_up_codes.size(0) % 2 == 0 && gate_up_codes.size(1) * 2 == hidden_ &&
                     down_codes.size(1) * 2 == gate_up_codes.size(0) / 2 && down_codes.size(0) == hidden_,
                 "DecodeStack: gate|up must map hidden to 2·intermediate, down intermediate to hidden");
-    TORCH_CHECK(k_cache.dim() == 3 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-                    v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat &&
-                    v_cache.is_contiguous() && k_cache.size(1) == kv_heads_ && k_cache.size(2) == dim_,
-                "DecodeStack: the caches must be contiguous [slots, kv_heads, head_dim] float32 tensors");
-    TORCH_CHECK(layers_.empty() || k_cache.size(0) == layers_.front().k_cache.size(0),
-                "DecodeStack: every layer's cache must hold the same slots");
+    const auto cache_type = k_cache.scalar_type();
+    TORCH_CHECK(k_cache.dim() == 3 && (cache_type == at::kFloat || cache_type == at::kHalf) &&
+                    k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                    v_cache.scalar_type() == cache_type && v_cache.is_contiguous() && k_cache.size(1) == kv_heads_ &&
+                    k_cache.size(2) == dim_,
+                "DecodeStack: the caches must be contiguous [slots, kv_heads, head_dim] float32 or float16 tensors");
+    TORCH_CHECK(layers_.empty() || (k_cache.size(0) == layers_.front().k_cache.size(0) &&
+                                    cache_type == layers_.front().k_cache.scalar_type()),
+                "DecodeStack: every layer's cache must hold the same slots, of the same type");
+    half_cache_ = cache_type == at::kHalf;
     TORCH_CHECK(layers_.empty() || down_codes.size(1) == layers_.front().down.codes.size(1),
                 "DecodeStack: every layer must have the same intermediate size");
     const at::Tensor no_bias = at::empty({0}, embed_.options());  // only q|k|v carries one (Qwen2's)
     layers_.push_back({input_norm, post_norm, {qkv_codes, qkv_scales, qkv_bias}, {o_codes, o_scales, no_bias},
                        {gate_up_codes, gate_up_scales, no_bias}, {down_codes, down_scales, no_bias}, k_cache, v_cache,
-                       input_norm.data_ptr<float>(), post_norm.data_ptr<float>(), k_cache.data_ptr<float>(),
-                       v_cache.data_ptr<float>()});
+                       input_norm.data_ptr<float>(), post_norm.data_ptr<float>(), k_cache.data_ptr(),
+                       v_cache.data_ptr()});
   }
 
   // The decode step of rows r = 0…B-1: token tokens[r] at position lengths[r] - 1, its K and V
@@ -990,11 +1032,17 @@ class DecodeStack : public torch::CustomClassHolder {
           float* value = row + q_width + kv_width + g * dim;
           rotate_heads(row + g * group * dim, group, dim, cos + position * dim, sin + position * dim);
           rotate_heads(key, 1, dim, cos + position * dim, sin + position * dim);
-          std::copy_n(key, dim, layer.k_values + slot * kv_width + g * dim);
-          std::copy_n(value, dim, layer.v_values + slot * kv_width + g * dim);
-          attend_one_kv_head(row + g * group * dim, layer.k_values + g * dim, layer.v_values + g * dim, kv_width,
-                             slots.data() + r * longest, length[r], group, dim, scale, own_scores, longest,
-                             attended.data() + r * q_width + g * group * dim);
+          const auto write_and_attend = [&](auto* keys, auto* values) {
+            store_kv(keys + slot * kv_width + g * dim, key, dim);
+            store_kv(values + slot * kv_width + g * dim, value, dim);
+            attend_one_kv_head(row + g * group * dim, keys + g * dim, values + g * dim, kv_width,
+                               slots.data() + r * longest, length[r], group, dim, scale, own_scores, longest,
+                               attended.data() + r * q_width + g * group * dim);
+          };
+          if (half_cache_)
+            write_and_attend(static_cast<at::Half*>(layer.k_values), static_cast<at::Half*>(layer.v_values));
+          else
+            write_and_attend(static_cast<float*>(layer.k_values), static_cast<float*>(layer.v_values));
         }  // the loop's own barrier: every head attended
         xq.assign(attended.data(), rows, q_width);
         layer.o.share(xq, rows, o_out.data(), thread, threads);
@@ -1056,6 +1104,7 @@ class DecodeStack : public torch::CustomClassHolder {
   const float* final_norm_values_ = nullptr;
   int64_t heads_, kv_heads_, page_, hidden_ = 0, dim_ = 0;
   float eps_;
+  bool half_cache_ = false;  // the layers' caches hold fp16
   std::vector<StackLayer> layers_;
 };
 

@@ -117,9 +117,9 @@ def decode_step_function(runner) -> Callable:
             if paged_attention:
                 attended = torch.ops.ceiling.decode_attention(q.contiguous(), k_cache, v_cache, read_slots, lengths)
             else:
-                keys = k_cache[read_slots].transpose(1, 2)  # [B, kv_heads, L, head_dim]
-                values = v_cache[read_slots].transpose(1, 2)
-                queries = q.to(keys.dtype).unsqueeze(2)  # [B, heads, 1, head_dim]
+                keys = k_cache[read_slots].transpose(1, 2).to(q.dtype)  # [B, kv_heads, L, head_dim]
+                values = v_cache[read_slots].transpose(1, 2).to(q.dtype)
+                queries = q.unsqueeze(2)  # [B, heads, 1, head_dim]
                 attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
             hidden = hidden + layer.o(attended.reshape(rows, -1).to(hidden.dtype))
             x = F.rms_norm(hidden, (hidden_size,), layer.post_norm, eps)

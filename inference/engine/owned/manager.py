@@ -47,9 +47,11 @@ class StepOutput:
 
 class OwnedManager:
     def __init__(self, model, *, num_blocks: int, page_size: int, max_batch_tokens: int, prefix_sharing: bool,
-                 compile_buckets: tuple[int, ...] = (), compile_cache_dir=None, paged_attention: bool = False) -> None:
+                 compile_buckets: tuple[int, ...] = (), compile_cache_dir=None, paged_attention: bool = False,
+                 prefill_budget: int = 0, kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.paged_attention = paged_attention
+        self.kv_dtype = kv_dtype
         self.compile_buckets = compile_buckets  # () : no compiled steps
         self.compile_cache_dir = compile_cache_dir
         self.compiler: DecodeCompiler | None = None
@@ -59,7 +61,7 @@ class OwnedManager:
         self.max_batch_tokens = max_batch_tokens
         self.prefix_sharing = prefix_sharing
         self.blocks = BlockManager(num_blocks, page_size, prefix_sharing)
-        self.scheduler = Scheduler(self.blocks, max_batch_tokens)
+        self.scheduler = Scheduler(self.blocks, max_batch_tokens, prefill_budget=prefill_budget)
         self._incoming: queue.SimpleQueue = queue.SimpleQueue()
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -121,7 +123,8 @@ class OwnedManager:
 
     def _run(self) -> None:
         try:
-            self.runner = ModelRunner(self.model, self.num_blocks, self.page_size, paged_attention=self.paged_attention)
+            self.runner = ModelRunner(self.model, self.num_blocks, self.page_size, paged_attention=self.paged_attention,
+                                      kv_dtype=self.kv_dtype)
         except Exception:
             log.exception("the owned engine loop could not build its KV cache")
             self._alive = False

@@ -86,7 +86,8 @@ def _layer_of(layer) -> _Layer:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, page_size: int, paged_attention: bool = False) -> None:
+    def __init__(self, model, num_blocks: int, page_size: int, paged_attention: bool = False,
+                 kv_dtype: torch.dtype | None = None) -> None:
         config = model.config
         core = model.model
         self.model = model
@@ -99,8 +100,11 @@ class ModelRunner:
         self.embed = core.embed_tokens.weight
         self.dtype = self.embed.dtype
         self.device = self.embed.device
+        # The cache's dtype: fp32 activations on a CPU may keep K and V in fp16 (half the bytes a
+        # decode step reads per cached position; cache_dtype); other models keep their own dtype.
+        self.kv_dtype = cache_dtype(self.dtype, self.device, kv_dtype)
         # Decode rows attend with torch.ops.ceiling.decode_attention, reading K and V in place (the
-        # engine loaded Ceiling's kernels; fp32 cache on the CPU); else gathered, then SDPA.
+        # engine loaded Ceiling's kernels; fp32 activations on the CPU); else gathered, then SDPA.
         self.paged_attention = paged_attention and self.dtype == torch.float32 and self.device.type == "cpu"
         self.final_norm = core.norm.weight
         self.lm_head = _forward_of(model.lm_head)
@@ -110,8 +114,8 @@ class ModelRunner:
         # One block more than the block manager hands out: the scratch block that a compiled decode
         # step's padding rows write to (compiled.decode_arguments).
         shape = (slots + page_size, self.kv_heads, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.k_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.layers]
         self.cos, self.sin = self._rotary_table(core, min(slots, config.max_position_embeddings))
         self.offsets = torch.arange(page_size, device=self.device)
         # Decode-only steps as compiled graphs by bucket (rows → step), installed by
@@ -170,8 +174,8 @@ class ModelRunner:
         qk = _rotate(qkv[:, : heads + kv_heads], batch.cos, batch.sin)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         k_cache, v_cache = self.k_cache[index], self.v_cache[index]
-        k_cache.index_copy_(0, batch.write_slots, k.to(self.dtype))
-        v_cache.index_copy_(0, batch.write_slots, v.to(self.dtype))
+        k_cache.index_copy_(0, batch.write_slots, k.to(self.kv_dtype))
+        v_cache.index_copy_(0, batch.write_slots, v.to(self.kv_dtype))
         attended = self._attention(q, k_cache, v_cache, batch)
         hidden = hidden + layer.o(attended)
         x = F.rms_norm(hidden, (self.hidden,), layer.post_norm, self.eps)
@@ -190,20 +194,32 @@ class ModelRunner:
             keys, values = k_cache[batch.decode_slots], v_cache[batch.decode_slots]  # [B, L, …] or [L, …] alone
             if count == 1:
                 keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-            keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, kv_heads, L, head_dim]
-            queries = q[:count].to(keys.dtype).unsqueeze(2)  # [B, heads, 1, head_dim]
+            keys, values = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)  # [B, kv_heads, L, head_dim]
+            queries = q[:count].unsqueeze(2)  # [B, heads, 1, head_dim]
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.decode_mask, enable_gqa=True)
             parts.append(out.reshape(count, -1))
         for start, end, slots, mask in batch.chunks:
-            keys = k_cache[slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, L, head_dim]
-            values = v_cache[slots].transpose(0, 1).unsqueeze(0)
-            queries = q[start:end].to(keys.dtype).transpose(0, 1).unsqueeze(0)
+            # [1, kv_heads, L, head_dim], in the activations' dtype (an fp16 cache is widened: CPU SDPA in fp16 is slow)
+            keys = k_cache[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            values = v_cache[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            queries = q[start:end].transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
             )
             parts.append(out[0].transpose(0, 1).reshape(end - start, -1))
         attended = parts[0] if len(parts) == 1 else torch.cat(parts)
         return attended.to(q.dtype)
+
+
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def cache_dtype(activations: torch.dtype, device: torch.device, asked: torch.dtype | None) -> torch.dtype:
+    """The KV cache's dtype: the one asked for where the activations are fp32 on a CPU (the kernels
+    read fp32 or fp16 there), else the activations' own (a GPU's bf16 model keeps a bf16 cache)."""
+    if asked is None or activations != torch.float32 or device.type != "cpu":
+        return activations
+    return asked
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

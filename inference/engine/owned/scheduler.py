@@ -6,6 +6,11 @@ answers already streaming, and a burst of new prompts is absorbed a budget at a 
 admitted in arrival order when their blocks fit (blocks.py reserves them), except one whose prompt
 starts with blocks a running request is computing: it waits for them and shares them (blocks.py).
 
+While any request is decoding, a step prefills at most `prefill_budget` prompt tokens (vLLM's
+chunked-prefill token budget, llama.cpp's batch size): each decode row waits for the whole step it
+rides in, so a 512-token chunk beside them made every streaming answer's next token as slow as the
+chunk. With nothing decoding, nobody waits on the chunk and the step takes the whole max_batch_tokens.
+
 Prompt chunks go shortest remaining prompt first: in a burst, the short questions get their first
 token after a step or two instead of queueing behind every long prompt that arrived a moment
 earlier (shortest-job-first minimises the mean wait). A prompt that has waited PREFILL_AGING_S
@@ -49,9 +54,11 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch_tokens: int, clock=time.monotonic) -> None:
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, clock=time.monotonic,
+                 prefill_budget: int = 0) -> None:
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
+        self.prefill_budget = prefill_budget  # 0: no limit beyond max_batch_tokens
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -66,7 +73,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self._admit()
         plan = StepPlan(decode=[seq for seq in self.running if not seq.in_prefill][: self.max_batch_tokens])
-        budget = self.max_batch_tokens - len(plan.decode)
+        budget = self._prompt_tokens_allowed(len(plan.decode))
         for seq in self._prefill_order():
             if budget <= 0:
                 break
@@ -74,6 +81,14 @@ class Scheduler:
             plan.prefill.append(PrefillChunk(seq, seq.computed, seq.computed + take))
             budget -= take
         return plan
+
+    def _prompt_tokens_allowed(self, decode_rows: int) -> int:
+        """Prompt tokens this step may compute: what max_batch_tokens leaves beside the decode rows,
+        and no more than the prefill budget while any request is decoding."""
+        left = self.max_batch_tokens - decode_rows
+        if decode_rows and self.prefill_budget:
+            return min(left, self.prefill_budget)
+        return left
 
     def _prefill_order(self) -> list[Sequence]:
         """Running requests still in their prompt: those waiting PREFILL_AGING_S or more first, oldest

@@ -37,7 +37,7 @@ _ROUNDS = 3
 def unavailable_reason(runner) -> str | None:
     """Why the stack cannot run this runner's decode steps, or None when it can."""
     if not runner.paged_attention:
-        return "the KV cache is not fp32 on a CPU with Ceiling's kernels loaded"
+        return "the activations are not fp32 on a CPU with Ceiling's kernels loaded"
     linears = [linear for layer in runner.layers for linear in layer.linears]
     if not linears or any(linear is None for linear in linears):
         return "q|k|v or gate|up did not fuse into one linear"

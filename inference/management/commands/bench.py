@@ -56,6 +56,10 @@ class Command(DatabaseCommand):
                             help="compile the decode steps of CEILING_COMPILE_BUCKETS rows (torch.compile) and wait for "
                                  "them before the engine and stack modes run (inference/engine/owned/compiled.py)")
         parser.add_argument("--max-batch-tokens", type=int, default=settings.CEILING_MAX_BATCH_TOKENS)
+        parser.add_argument("--prefill-budget", type=int, default=settings.CEILING_PREFILL_BUDGET,
+                            help="prompt tokens a step may prefill while requests decode, 0 for no limit (CEILING_PREFILL_BUDGET)")
+        parser.add_argument("--kv-dtype", choices=("float32", "float16"), default=settings.CEILING_KV_DTYPE,
+                            help="the KV cache's dtype on a CPU (CEILING_KV_DTYPE)")
         parser.add_argument("--q4-wide-bf16", action=argparse.BooleanOptionalAction, default=settings.CEILING_Q4_WIDE_BF16,
                             help="the q4 variant's wide steps on a bf16 copy where it measures faster (CEILING_Q4_WIDE_BF16)")
         parser.add_argument("--quantization", choices=MODES, default=settings.CEILING_QUANTIZATION,
@@ -66,12 +70,26 @@ class Command(DatabaseCommand):
         parser.add_argument("--json", type=Path, help="write the result (the agreed JSON shape) here")
         parser.add_argument("--html", type=Path, default=None, help="HTML report (default var/bench/report.html)")
         parser.add_argument("--mode-timeout", type=float, default=1800, help="seconds one mode may take")
+        parser.add_argument("--first-run", action="store_true",
+                            help="clone HEAD into a temporary folder, start it with `make run` as a new user would "
+                                 "(its own var/, SQLite and Redis) and time the page, the first chat's first token "
+                                 "and ten chats' ms per token; with --peer, the same chats against the peer")
+        parser.add_argument("--first-run-timeout", type=float, default=1200,
+                            help="seconds `make run` may take until the page answers (--first-run)")
+        parser.add_argument("--venv", type=Path, default=Path(settings.BASE_DIR) / ".venv",
+                            help="the installed virtual environment the clone uses (--first-run; default this "
+                                 "checkout's); --fresh-install lets `make run` install its own instead")
+        parser.add_argument("--fresh-install", action="store_true",
+                            help="--first-run: `make run` creates and installs the clone's own virtual environment")
+        parser.add_argument("--keep-clone", action="store_true", help="--first-run: leave the clone and its log")
         parser.add_argument("--repeat", type=int, default=1,
                             help="run the modes this many times in alternating rounds and report each mode's "
                                  "median run by tokens/s (prefix runs once)")
 
     def handle(self, *args, **options) -> None:
         options["peer"] = peer_root(options["peer"])
+        if options["first_run"]:
+            return self._first_run(options)
         modes = self._modes(options["modes"], options["peer"])
         spec = self._spec(options)
         html_path = self._html_path(options)
@@ -94,9 +112,32 @@ class Command(DatabaseCommand):
         html_path.with_suffix(".details.json").write_text(jsonlib.dumps(details, indent=1))
         self.stdout.write(f"HTML report: {html_path} (per-request timings beside it, .details.json)")
 
+    def _first_run(self, options: dict) -> None:
+        from inference.engine.bench.first_run import run_first_run
+
+        venv = None if options["fresh_install"] else options["venv"].resolve()
+        if venv is not None and not (venv / "bin" / "python").exists():
+            raise CommandError(f"{options['venv']} is not a virtual environment (no bin/python); give --venv or --fresh-install")
+        if options["first_run_timeout"] <= 0:
+            raise CommandError("--first-run-timeout must be above 0 seconds")
+        if options["json"] is not None and not options["json"].parent.exists():
+            raise CommandError(f"{options['json'].parent} does not exist")
+        try:
+            result = run_first_run(Path(settings.BASE_DIR), venv=venv, peer=options["peer"],
+                                   timeout_s=options["first_run_timeout"], keep=options["keep_clone"],
+                                   progress=self.stdout.write).as_dict()
+        except BenchError as exc:
+            raise CommandError(str(exc)) from exc
+        self.stdout.write(report.first_run_table(result))
+        if options["json"] is not None:
+            options["json"].write_text(jsonlib.dumps(result, indent=2))
+            self.stdout.write(f"JSON: {options['json']}")
+
     def needs_database(self, options: dict) -> bool:
         # Only the stack mode runs requests through the guard and the ledger. Bad arguments are
         # left for handle() to explain first: they are wrong whatever the database holds.
+        if options["first_run"]:
+            return False  # the clone makes its own
         try:
             modes = self._modes(options["modes"], options["peer"])
             self._spec(options)
@@ -140,6 +181,8 @@ class Command(DatabaseCommand):
             raise CommandError("--stream-interval must be at least 1 token")
         if options["repeat"] < 1:
             raise CommandError("--repeat must be at least 1")
+        if options["prefill_budget"] < 0:
+            raise CommandError("--prefill-budget must be 0 (no limit) or a number of tokens")
         return WorkloadSpec(requests=requests, seed=options["seed"], shared_fraction=options["shared_fraction"],
                             rate=options["rate"], max_output_tokens=options["max_output_tokens"])
 
@@ -159,6 +202,8 @@ class Command(DatabaseCommand):
         machine["loop"] = options["loop"]
         machine["attention"] = options["attention"]
         machine["max_batch_tokens"] = options["max_batch_tokens"]
+        machine["prefill_budget"] = options["prefill_budget"]
+        machine["kv_dtype"] = options["kv_dtype"]
         machine["skinny_linear"] = options["skinny_linear"]
         machine["compile_buckets"] = list(settings.CEILING_COMPILE_BUCKETS) if options["compile_decode"] else []
         machine["quantization"] = options["quantization"]
@@ -173,6 +218,8 @@ class Command(DatabaseCommand):
             "loop": options["loop"],
             "attention": options["attention"],
             "max_batch_tokens": options["max_batch_tokens"],
+            "prefill_budget": options["prefill_budget"],
+            "kv_dtype": options["kv_dtype"],
             "skinny_linear": options["skinny_linear"],
             "quantization": options["quantization"],
             "compile_buckets": settings.CEILING_COMPILE_BUCKETS if options["compile_decode"] else (),
@@ -260,6 +307,8 @@ def stack_env(engine_options: dict, stream_interval: int) -> dict[str, str]:
         "CEILING_ENGINE_LOOP": engine_options["loop"],
         "CEILING_ATTENTION": engine_options["attention"],
         "CEILING_MAX_BATCH_TOKENS": str(engine_options["max_batch_tokens"]),
+        "CEILING_PREFILL_BUDGET": str(engine_options["prefill_budget"]),
+        "CEILING_KV_DTYPE": engine_options["kv_dtype"],
         "CEILING_SKINNY_LINEAR": "1" if engine_options["skinny_linear"] else "0",
         "CEILING_QUANTIZATION": engine_options["quantization"],
         "CEILING_COMPILE_DECODE": "1" if engine_options["compile_buckets"] else "0",
