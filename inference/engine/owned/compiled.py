@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .runner import _rotate, _slots
+from .rows import DecodeRow, decode_arguments, rotate
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def decode_step_function(runner) -> Callable:
         for layer, k_cache, v_cache in zip(layers, k_caches, v_caches, strict=True):
             x = F.rms_norm(hidden, (hidden_size,), layer.input_norm, eps)
             qkv = layer.qkv(x).view(rows, heads + 2 * kv_heads, head_dim)
-            qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)
+            qk = rotate(qkv[:, : heads + kv_heads], cos, sin)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
             k_cache[write_slots] = k.to(k_cache.dtype)
             v_cache[write_slots] = v.to(v_cache.dtype)
@@ -142,44 +142,6 @@ def _with_code_of_its_own(function: Callable) -> Callable:
     copy = types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__, function.__closure__)
     copy.__qualname__ = f"{function.__qualname__}_{code.co_name}"
     return copy
-
-
-@dataclass(frozen=True)
-class DecodeRow:
-    """One request's decode row: its last token, its block table and its length with that token."""
-
-    token: int
-    block_table: list[int]
-    length: int
-
-
-def decode_arguments(runner, rows: Sequence[DecodeRow], bucket: int, k_caches, v_caches) -> tuple:
-    """decode_step_function's arguments for `rows`, padded to `bucket` rows.
-
-    A padding row writes its K/V to the cache's last block (a scratch block no request is given:
-    runner.py allocates one block more than the block manager hands out) and sees one position.
-    """
-    device, page = runner.device, runner.page_size
-    scratch = k_caches[0].shape[0] - page
-    longest = max(row.length for row in rows)
-    tokens = [row.token for row in rows] + [0] * (bucket - len(rows))
-    positions = [row.length - 1 for row in rows] + [0] * (bucket - len(rows))
-    write = [_slot(row.block_table, row.length - 1, page) for row in rows] + [scratch] * (bucket - len(rows))
-    reads = [_slots(runner, row.block_table, longest) for row in rows]
-    reads += [torch.full((longest,), scratch, device=device)] * (bucket - len(rows))
-    hidden = F.embedding(torch.tensor(tokens, device=device), runner.embed)
-    position_tensor = torch.tensor(positions, device=device)
-    cos = runner.cos[position_tensor].unsqueeze(1)
-    sin = runner.sin[position_tensor].unsqueeze(1)
-    lengths = torch.tensor([row.length for row in rows] + [1] * (bucket - len(rows)), device=device)
-    mask = None
-    if bucket > 1 and not runner.paged_attention:
-        mask = (torch.arange(longest, device=device).unsqueeze(0) < lengths.unsqueeze(1)).view(bucket, 1, 1, longest)
-    return hidden, cos, sin, k_caches, v_caches, torch.tensor(write, device=device), torch.stack(reads), lengths, mask
-
-
-def _slot(block_table: list[int], position: int, page: int) -> int:
-    return block_table[position // page] * page + position % page
 
 
 class DecodeCompiler:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..patches.fusion import fuse_linears
+from .rows import DecodeRow, cache_slots, decode_arguments, rotate
 from .scheduler import StepPlan
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -155,8 +156,6 @@ class ModelRunner:
     def _compiled_decode(self, seqs) -> torch.Tensor | None:
         """The decode rows through the graph of the smallest compiled bucket that holds them (None: no
         bucket does, or its guards refused this call; the step then runs eagerly)."""
-        from .compiled import DecodeRow, decode_arguments
-
         steps = self.decode_steps
         bucket = min((rows for rows in steps if rows >= len(seqs)), default=None)
         if bucket is None:
@@ -171,7 +170,7 @@ class ModelRunner:
         x = F.rms_norm(hidden, (self.hidden,), layer.input_norm, self.eps)
         qkv = layer.qkv(x).view(rows, heads + 2 * kv_heads, head_dim)
         # q and k rotate in one pass: they are adjacent heads of the fused output.
-        qk = _rotate(qkv[:, : heads + kv_heads], batch.cos, batch.sin)
+        qk = rotate(qkv[:, : heads + kv_heads], batch.cos, batch.sin)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         k_cache, v_cache = self.k_cache[index], self.v_cache[index]
         k_cache.index_copy_(0, batch.write_slots, k.to(self.kv_dtype))
@@ -222,13 +221,6 @@ def cache_dtype(activations: torch.dtype, device: torch.device, asked: torch.dty
     return asked
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, transformers' layout (the two halves of each head rotate together)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class _StepBatch:
     """The index tensors of one step, built once and read by every layer."""
 
@@ -270,7 +262,7 @@ class _StepBatch:
         self.decode_slots = self.decode_mask = self.decode_lengths = None
         if self.decode_rows and runner.paged_attention:  # slots and lengths, read in place by the kernel
             lengths = [len(seq) for seq in plan.decode]
-            self.decode_slots = torch.stack([_slots(runner, seq.block_table, max(lengths)) for seq in plan.decode])
+            self.decode_slots = torch.stack([cache_slots(runner, seq.block_table, max(lengths)) for seq in plan.decode])
             self.decode_lengths = torch.tensor(lengths, device=device)
         elif self.decode_rows:
             lengths = [len(seq) for seq in plan.decode]
@@ -278,7 +270,7 @@ class _StepBatch:
             if self.decode_rows == 1:
                 self.decode_slots = _cache_rows(runner, plan.decode[0].block_table, longest)
             else:
-                self.decode_slots = torch.stack([_slots(runner, seq.block_table, longest) for seq in plan.decode])
+                self.decode_slots = torch.stack([cache_slots(runner, seq.block_table, longest) for seq in plan.decode])
             if min(lengths) != longest:
                 self.decode_mask = (torch.arange(longest, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)).view(
                     self.decode_rows, 1, 1, longest
@@ -294,14 +286,4 @@ def _cache_rows(runner: ModelRunner, block_table: list[int], length: int) -> sli
     if block_table[:needed] == list(range(first, first + needed)):
         start = first * runner.page_size
         return slice(start, start + length)
-    return _slots(runner, block_table, length)
-
-
-def _slots(runner: ModelRunner, block_table: list[int], length: int) -> torch.Tensor:
-    """Cache slots of positions 0…length-1 of a request (padding past its end reads its last block)."""
-    page = runner.page_size
-    needed = -(-length // page)
-    table = block_table[:needed]
-    table += [table[-1]] * (needed - len(table))  # a shorter request in a padded decode batch
-    blocks = torch.tensor(table, device=runner.device)
-    return (blocks.unsqueeze(1) * page + runner.offsets).view(-1)[:length]
+    return cache_slots(runner, block_table, length)
