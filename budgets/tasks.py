@@ -58,5 +58,14 @@ def send_alert_webhook(self, delivery_id: int) -> bool:
         raise self.retry(exc=exc, countdown=exc.retry_in_s) from exc
 
 
-# The actions queue an alert's channels through budgets.delivery, which knows these tasks from here.
-delivery.register(alert_email=send_alert_email.delay, alert_webhook=send_alert_webhook.delay)
+def queue_alert_email(alert_id: int) -> None:
+    send_alert_email.delay(alert_id)
+
+
+def queue_alert_webhook(delivery_id: int) -> None:
+    send_alert_webhook.delay(delivery_id)
+
+
+# The actions queue an alert's channels through budgets.delivery, which knows these tasks from here
+# (each send looks its task up when it runs, as a direct call would).
+delivery.register(alert_email=queue_alert_email, alert_webhook=queue_alert_webhook)

@@ -22,8 +22,8 @@ BASE_DIR = Path(settings.BASE_DIR)
 NOT_MIGRATED = "has no tables: run `make run` once, or `manage.py migrate`."
 # The commands that never open the database: runstack starts processes (`make run` migrates
 # before it), bench_prefix drives the engine alone.
-WITHOUT_DATABASE = {"runstack", "bench_prefix"}
-OUR_APPS = ("accounts", "budgets", "inference")
+WITHOUT_DATABASE = {"runstack", "bench_prefix", "bench_positions"}
+OUR_APPS = ("accounts", "budgets", "inference", "control")
 
 
 def manage(database_url: str, *args: str) -> subprocess.CompletedProcess:
