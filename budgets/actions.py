@@ -32,6 +32,8 @@ from .models import (
     TeamQuota,
     TokenLog,
     WebhookDelivery,
+    memberships_of,
+    team_names_of,
     unique_row,
 )
 from .money import exact_usd
@@ -454,14 +456,16 @@ def do_set_quota(
         )
 
 
-def _replace_caps_row(actor, rows, create, caps: dict[str, int | None] | None, absent, target: str) -> list[AuditEntry]:
-    """One scope's caps row (a user's or a team's): replaced by `caps`, deleted by None, and each
-    field that changed audited. Call inside a transaction: the row is locked so that `before` is what
-    this change really replaced. `absent` is how a missing row reads in the trail."""
+def _replace_caps_row(actor, rows, create, caps: dict[str, int | None] | None, absent, target: str,
+                      fields: Sequence[str] = QUOTA_FIELDS) -> list[AuditEntry]:
+    """One scope's caps row (a user's, a team's, a tag's, an in-flight cap): replaced by `caps`,
+    deleted by None, and each field that changed audited. Call inside a transaction: the row is
+    locked so that `before` is what this change really replaced. `absent` is how a missing row reads
+    in the trail."""
     quota = rows.select_for_update().first()
-    before = {name: getattr(quota, name) if quota else absent for name in QUOTA_FIELDS}
-    after = {name: caps[name] if caps is not None else absent for name in QUOTA_FIELDS}
-    changed = [name for name in QUOTA_FIELDS if before[name] != after[name]]
+    before = {name: getattr(quota, name) if quota else absent for name in fields}
+    after = {name: caps[name] if caps is not None else absent for name in fields}
+    changed = [name for name in fields if before[name] != after[name]]
     if caps is None:
         action = "delete"
         if quota is not None:
@@ -567,12 +571,12 @@ def do_set_team(actor: AbstractBaseUser | None, user: AbstractBaseUser, team: Te
 def _locked_team_names(user: AbstractBaseUser) -> list[str]:
     """The user's teams, first joined first, with their membership rows locked (on PostgreSQL) so
     that two changes at once each audit what the other left."""
-    rows = TeamMembership.objects.select_for_update().filter(user_id=user.pk).order_by("joined_at", "pk")
+    rows = memberships_of(user.pk).select_for_update()
     return [m.team.name for m in rows.select_related("team")]
 
 
 def _record_teams(actor: AbstractBaseUser | None, user: AbstractBaseUser, before: list[str]) -> list[AuditEntry]:
-    after = list(TeamMembership.objects.filter(user_id=user.pk).order_by("joined_at", "pk").values_list("team__name", flat=True))
+    after = team_names_of(user.pk)
     change = {"team": (", ".join(before) or "none", ", ".join(after) or "none")}
     return _record(actor, "update", f"user {user.get_username()}", change)
 
@@ -651,23 +655,12 @@ def _check_rotatable(key: ApiKey, now: datetime) -> None:
 
 def do_set_tag_quota(actor: AbstractBaseUser | None, tag: str, max_cost_micro_usd: int | None) -> list[AuditEntry]:
     """A tag's monthly spend cap; None removes it."""
+    caps = {"max_cost_micro_usd": max_cost_micro_usd} if max_cost_micro_usd is not None else None
     with transaction.atomic():
-        quota = TagQuota.objects.select_for_update().filter(tag=tag).first()
-        before = quota.max_cost_micro_usd if quota else None
-        if before == max_cost_micro_usd:
-            return []
-        if max_cost_micro_usd is None:
-            action = "delete"
-            quota.delete()
-        elif quota is None:
-            action = "create"
-            TagQuota.objects.create(tag=tag, max_cost_micro_usd=max_cost_micro_usd)
-        else:
-            action = "update"
-            quota.max_cost_micro_usd = max_cost_micro_usd
-            quota.save(update_fields=["max_cost_micro_usd"])
-        change = {"max_cost_micro_usd": (audit_text("max_cost_micro_usd", before), audit_text("max_cost_micro_usd", max_cost_micro_usd))}
-        return _record(actor, action, f"tag quota {tag}/month", change)
+        return _replace_caps_row(
+            actor, TagQuota.objects.filter(tag=tag), lambda **row: TagQuota.objects.create(tag=tag, **row),
+            caps, None, f"tag quota {tag}/month", fields=("max_cost_micro_usd",),
+        )
 
 
 def in_flight_target(user: AbstractBaseUser | None) -> str:
@@ -678,27 +671,14 @@ def do_set_in_flight_cap(actor: AbstractBaseUser | None, user: AbstractBaseUser 
                          max_in_flight: int | None) -> list[AuditEntry]:
     """How many requests a user (None: everyone without their own) may have in flight at once; None
     removes the row (a user then follows the default again). Audited like every cap."""
+    caps = {"max_in_flight": max_in_flight} if max_in_flight is not None else None
+    # A user without a row follows the default: the trail says "default", not "no cap".
+    absent = _ABSENT if user is not None else None
     with transaction.atomic():
-        cap = InFlightCap.objects.select_for_update().filter(user=user).first()
-        before = cap.max_in_flight if cap else None
-        if before == max_in_flight and (cap is not None or max_in_flight is None):
-            return []
-        if max_in_flight is None:
-            action = "delete"
-            cap.delete()
-        elif cap is None:
-            action = "create"
-            InFlightCap.objects.create(user=user, max_in_flight=max_in_flight)
-        else:
-            action = "update"
-            cap.max_in_flight = max_in_flight
-            cap.save(update_fields=["max_in_flight"])
-        # A user without a row follows the default: the trail says "default", not "no cap".
-        absent = _ABSENT if user is not None else None
-        shown_before = before if cap is not None else absent
-        shown_after = max_in_flight if max_in_flight is not None else absent
-        change = {"max_in_flight": (audit_text("max_in_flight", shown_before), audit_text("max_in_flight", shown_after))}
-        return _record(actor, action, in_flight_target(user), change)
+        return _replace_caps_row(
+            actor, InFlightCap.objects.filter(user=user), lambda **row: InFlightCap.objects.create(user=user, **row),
+            caps, absent, in_flight_target(user), fields=("max_in_flight",),
+        )
 
 
 # --- alert webhooks ------------------------------------------------------------------------------

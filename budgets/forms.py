@@ -30,10 +30,10 @@ from .models import (
     Provider,
     Quota,
     Team,
-    TeamMembership,
     TokenLog,
     allowed_key_env,
     tag_validator,
+    team_names_of,
 )
 from .money import format_usd, parse_usd
 from .periods import local_zone
@@ -825,8 +825,7 @@ class KeyCapsForm(forms.Form):
         # switched-off one stays visible, so unticking it is possible).
         names = set(Feature.objects.exclude(mode=Feature.Mode.BATCH).values_list("name", flat=True))
         self.fields["allowed_features"].choices = [(name, name) for name in sorted(names | set(key.allowed_features))]
-        teams = list(TeamMembership.objects.filter(user_id=key.user_id).order_by("joined_at", "pk")
-                     .values_list("team__name", flat=True))
+        teams = team_names_of(key.user_id)
         first = f"the team joined first ({teams[0]})" if teams else "no team (the user is in none)"
         self.fields["team_name"].choices = [("", first), *((name, name) for name in teams)]
         if key.team_name and key.team_name not in teams:  # left the team since: shown, so it can be changed

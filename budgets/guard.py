@@ -44,9 +44,9 @@ from .models import (
     RetrievalFacts,
     TagQuota,
     Team,
-    TeamMembership,
     TeamQuota,
     TokenLog,
+    memberships_of,
 )
 from .money import format_usd
 from .periods import describe_reset, period_bounds, period_key, seconds_until_reset
@@ -147,7 +147,7 @@ def request_scopes(user, api_key=None, tags: tuple[str, ...] = (), team_name: st
 
 def paying_team(user_id: int, name: str = "") -> Team | None:
     """The user's team called `name` when they are in it, else the team they joined first, else None."""
-    teams = [m.team for m in TeamMembership.objects.select_related("team").filter(user_id=user_id).order_by("joined_at", "pk")]
+    teams = [m.team for m in memberships_of(user_id).select_related("team")]
     return next((team for team in teams if team.name == name), teams[0] if teams else None)
 
 

@@ -341,6 +341,15 @@ class TeamMembership(models.Model):
         return f"{self.user} in {self.team}"
 
 
+def memberships_of(user_id: int) -> models.QuerySet[TeamMembership]:
+    """A user's memberships, the team joined first first: the one that pays unless a request names another."""
+    return TeamMembership.objects.filter(user_id=user_id).order_by("joined_at", "pk")
+
+
+def team_names_of(user_id: int) -> list[str]:
+    return list(memberships_of(user_id).values_list("team__name", flat=True))
+
+
 class TokenLog(models.Model):
     """One row per request: admitted or refused, finished, cancelled or failed.
 

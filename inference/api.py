@@ -30,7 +30,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from accounts.actions import do_touch_api_key
 from accounts.models import ApiKey
-from budgets.models import Feature, TeamMembership
+from budgets.models import Feature, team_names_of
 from project.logs import request_context
 from project.proxies import client_address
 
@@ -112,10 +112,6 @@ async def paying_team_or_refusal(request: HttpRequest) -> tuple[str, JsonRespons
     yours = ", ".join(repr(team) for team in teams) if teams else "none"
     message = f"You are not in a team called {name!r}, which {where} names to pay for this request; your teams: {yours}."
     return name, api_error(403, message, type="permission_error", code="team_not_member", param=TEAM_HEADER)
-
-
-def team_names_of(user_id: int) -> list[str]:
-    return list(TeamMembership.objects.filter(user_id=user_id).order_by("joined_at", "pk").values_list("team__name", flat=True))
 
 
 def refusal_status(code: str) -> tuple[int, str]:

@@ -34,7 +34,7 @@ from ..forms import (
     describe_caps,
     known_models,
 )
-from ..models import AuditEntry, Feature, InFlightCap, ModelPrice, Period, Provider, Quota, TeamMembership, TokenLog
+from ..models import AuditEntry, Feature, InFlightCap, ModelPrice, Period, Provider, Quota, TokenLog, memberships_of
 from ..money import exact_usd, format_usd
 from ..permissions import staff_required
 from ..selfhosted import LocalCost
@@ -92,7 +92,7 @@ def users(request: HttpRequest) -> HttpResponse:
 
 def _teams_of(person) -> list:
     """The person's teams, the one that pays by default (joined first) first."""
-    return [m.team for m in TeamMembership.objects.filter(user=person).select_related("team").order_by("joined_at", "pk")]
+    return [m.team for m in memberships_of(person.pk).select_related("team")]
 
 
 def with_forecast(row: list[Gauge], projection) -> list[Gauge]:
