@@ -34,7 +34,8 @@ from budgets.models import Feature, team_names_of
 from project.logs import request_context
 from project.proxies import client_address
 
-from .chat.events import INTERNAL_ERROR
+from .chat.admit import refused_event
+from .chat.events import INTERNAL_ERROR, refused
 from .chat.pipeline import run_chat
 from .chat.route import get_feature
 from .models import ModelAlias
@@ -539,12 +540,11 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
     if refusal is not None:
         code, message = refusal
         await database_sync_to_async(embeddings_lib.log_refusal)(request_id, user, feature, code, message, tokens)
-        return refusal_response({"type": "refused", "code": code, "message": message, "retry_after_s": None})
+        return refusal_response(refused(code, message))
     decision = await database_sync_to_async(embeddings_lib.admit, thread_sensitive=False)(
         request_id, user, request.api_key, feature, asked, ids)
     if not decision.admitted:
-        return refusal_response({"type": "refused", "code": decision.code, "message": decision.message,
-                                 "retry_after_s": decision.retry_after_s})
+        return refusal_response(refused_event(decision))
     try:
         vectors = await off_thread(embeddings_lib.embed_and_settle)(request_id, asked.inputs, tokens)
     except Exception:  # noqa: BLE001 - settled failed already; the caller hears it in OpenAI's shape

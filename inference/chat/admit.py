@@ -20,6 +20,7 @@ from inference.web.tokenizer import chat_prompt_ids, model_name
 from project import tracing
 
 from .checks import Checked, remote_prompt_tokens
+from .events import refused
 from .route import is_remote
 from .settle import close_when_admitted
 
@@ -120,7 +121,7 @@ def worker_params(feature: Feature, frame: ChatFrame) -> dict:
 
 
 def refused_event(decision: Decision) -> dict:
-    return {"type": "refused", "code": decision.code, "message": decision.message, "retry_after_s": decision.retry_after_s}
+    return refused(decision.code, decision.message, decision.retry_after_s)
 
 
 def admitted_events(decision: Decision, prompt_tokens: int) -> list[dict]:
