@@ -189,14 +189,26 @@ def changed(table: str) -> None:
     transaction.on_commit(lambda: _bump(table), robust=True)
 
 
+_announcing = threading.Event()  # set while Redis takes the bumps: a failure is then news worth a warning
+_announcing.set()
+
+
 def _bump(table: str) -> None:
     try:
         # A fresh random token, not INCR: a Redis that restarts empty would count again from 1
         # and hand out versions that entries already carry.
         _client().set(version_key(table), uuid.uuid4().hex)
     except redis.RedisError as exc:
-        log.warning("could not tell other processes that %s changed (they see it within %g s): %s",
-                    table, MAX_AGE_S, exc)
+        # Once per outage, not once per table and write: `make run` migrates and seeds before its Redis
+        # starts, and said so 95 times on a new machine.
+        report = log.warning if _announcing.is_set() else log.debug
+        _announcing.clear()
+        report("could not tell other processes that %s changed (they see it within %g s; further failures are "
+               "logged at debug level until Redis answers again): %s", table, MAX_AGE_S, exc)
+    else:
+        if not _announcing.is_set():
+            _announcing.set()
+            log.info("Redis answers again: changes to the reference tables are announced at once")
     cache.forget(table)
 
 

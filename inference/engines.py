@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 
 from .engine import weights
-from .engine.config import EngineConfig, EngineError, default_device
+from .engine.config import EngineConfig, EngineError, default_device, step_limits
 from .engine.machine import machine_signature
+from .engine.measured import FILE_NAME as MEASUREMENTS_FILE
 from .variants import variant_queue, worker_variants
 
 if TYPE_CHECKING:  # the web tier imports model_dir from here, and must not import torch with it
@@ -31,14 +32,17 @@ def model_dir(progress=print) -> Path:
 
 
 def engine_config_from_settings(folder: Path, quantization: str | None = None) -> EngineConfig:
+    device = settings.CEILING_DEVICE or default_device()
+    prefill_budget, max_running = step_limits(device, settings.CEILING_PREFILL_BUDGET, settings.CEILING_MAX_RUNNING)
     return EngineConfig(
         model_dir=folder,
-        device=settings.CEILING_DEVICE or default_device(),
+        device=device,
         torch_threads=settings.CEILING_TORCH_THREADS,
         page_size=settings.CEILING_KV_PAGE_SIZE,
         num_blocks=settings.CEILING_KV_BLOCKS,
         max_batch_tokens=settings.CEILING_MAX_BATCH_TOKENS,
-        prefill_budget=settings.CEILING_PREFILL_BUDGET,
+        prefill_budget=prefill_budget,
+        max_running=max_running,
         kv_dtype=settings.CEILING_KV_DTYPE,
         prefix_sharing=settings.CEILING_PREFIX_SHARING,
         loop=settings.CEILING_ENGINE_LOOP,
@@ -50,6 +54,8 @@ def engine_config_from_settings(folder: Path, quantization: str | None = None) -
         own_kernels=settings.CEILING_OWN_KERNELS,
         kernel_cache_dir=Path(settings.VAR_DIR) / "kernels",
         q4_wide_bf16=settings.CEILING_Q4_WIDE_BF16,
+        measurements_file=Path(settings.VAR_DIR) / MEASUREMENTS_FILE,
+        remeasure=settings.CEILING_REMEASURE,
     )
 
 

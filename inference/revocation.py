@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+import redis
 from asgiref.sync import async_to_sync
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
@@ -36,8 +37,11 @@ def tell_sockets_to_check(user_id: int, ended_session: str | None = None) -> Non
     """
     try:
         async_to_sync(get_channel_layer().group_send)(user_group(user_id), {**CHECK, "ended_session": ended_session})
-    except Exception:  # noqa: BLE001 - the channel layer away: sockets keep their rights until they close
-        log.warning("could not tell the sockets of user %s to check their session", user_id, exc_info=True)
+    except Exception as exc:  # noqa: BLE001 - the channel layer away: sockets keep their rights until they close
+        # An unreachable Redis is one line (`make run` seeds its users before its Redis starts); anything else a traceback.
+        unreachable = isinstance(exc, OSError | redis.ConnectionError)
+        log.warning("could not tell the sockets of user %s to check their session: %s", user_id, exc,
+                    exc_info=not unreachable)
 
 
 def on_logged_out(sender, request=None, user=None, **kwargs) -> None:

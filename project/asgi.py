@@ -12,7 +12,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from inference.routing import websocket_urlpatterns  # noqa: E402
-from inference.web.tokenizer import load_tokenizer_in_background  # noqa: E402
+from inference.web.tokenizer import load_tokenizer_now  # noqa: E402
 from project.bodylimit import BodyLimitMiddleware, limit_daphne_bodies  # noqa: E402
 from project.origins import SameOriginValidator  # noqa: E402
 
@@ -31,4 +31,5 @@ application = ProtocolTypeRouter(
     }
 )
 
-load_tokenizer_in_background()
+# Before daphne listens: a page that answers can serve a chat at once (inference/web/tokenizer.py).
+load_tokenizer_now()

@@ -32,7 +32,7 @@ def envbool(name: str, default: bool) -> bool:
     raise ImproperlyConfigured(f"{name}={raw!r} is not a boolean (use true/false, 1/0, yes/no, on/off)")
 
 
-def envint(name: str, default: int, *, minimum: int | None = None) -> int:
+def envint(name: str, default: int | None, *, minimum: int | None = None) -> int | None:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -373,9 +373,13 @@ CEILING_TORCH_THREADS = envint("CEILING_TORCH_THREADS", 2, minimum=1)
 CEILING_KV_PAGE_SIZE = envint("CEILING_KV_PAGE_SIZE", 32, minimum=1)
 CEILING_KV_BLOCKS = envint("CEILING_KV_BLOCKS", 512, minimum=8)
 CEILING_MAX_BATCH_TOKENS = envint("CEILING_MAX_BATCH_TOKENS", 512, minimum=16)
-# Prompt tokens one step may prefill while answers are streaming (0: up to CEILING_MAX_BATCH_TOKENS);
-# the default is measured on the bench's --quick burst (docs/engine.md, "Prefill budget").
-CEILING_PREFILL_BUDGET = envint("CEILING_PREFILL_BUDGET", 0, minimum=0)
+# Prompt tokens one step may prefill while answers are streaming (0: up to CEILING_MAX_BATCH_TOKENS), and
+# requests in an engine's running batch at once (vLLM's max_num_seqs, llama.cpp's slots; 0: as many as
+# CEILING_MAX_BATCH_TOKENS; the rest wait for a place, holding no KV blocks). Unset: the engine's device
+# decides (inference/engine/config.py: 32 and 12 on a CPU, measured on the bench's --quick burst,
+# docs/engine.md "Requests in the running batch"; no limits on a GPU).
+CEILING_PREFILL_BUDGET = envint("CEILING_PREFILL_BUDGET", None, minimum=0)
+CEILING_MAX_RUNNING = envint("CEILING_MAX_RUNNING", None, minimum=0)
 # The KV cache's dtype on a CPU (fp32 activations): float16 halves what a decode step reads per
 # cached position (docs/engine.md, "KV cache in fp16").
 CEILING_KV_DTYPE = envstr("CEILING_KV_DTYPE", "float32")
@@ -414,6 +418,12 @@ CEILING_COMPILE_DECODE = envbool("CEILING_COMPILE_DECODE", True)
 # then never shares the cores with a chat; a restart reads var/inductor and waits seconds). 0 takes
 # requests at once and compiles in the background, serving eagerly meanwhile.
 CEILING_COMPILE_WAIT_S = envfloat("CEILING_COMPILE_WAIT_S", 900.0, minimum=0.0)
+# What an engine times when it loads (its routes, the decode stack, each compiled bucket against eager)
+# is kept per machine in var/engine-measurements.json, under a key of the CPU, torch, the threads, the model,
+# the variant and the timed code, so a restarted worker takes it without timing (inference/engine/measured.py):
+# serving in seconds instead of ~20 s (q4) or minutes (a compile). On: every start times again and
+# replaces what was kept (or delete the file).
+CEILING_REMEASURE = envbool("CEILING_REMEASURE", False)
 CEILING_COMPILE_BUCKETS = tuple(envint_item("CEILING_COMPILE_BUCKETS", item) for item in envlist("CEILING_COMPILE_BUCKETS", ["1", "2", "4", "8"]))
 if not CEILING_COMPILE_BUCKETS or min(CEILING_COMPILE_BUCKETS) < 1 or max(CEILING_COMPILE_BUCKETS) > 64:
     raise ImproperlyConfigured(f"CEILING_COMPILE_BUCKETS must be row counts from 1 to 64, not {CEILING_COMPILE_BUCKETS!r}")

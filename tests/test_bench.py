@@ -206,6 +206,7 @@ def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transa
         (["--modes", "engine,peer"], "the peer mode needs --peer URL"),
         (["--modes", "remote"], "the remote mode needs --peer URL"),
         (["--prefill-budget", "-1"], "--prefill-budget must be 0"),
+        (["--max-running", "-1"], "--max-running must be 0"),
         (["--kv-dtype", "int4"], "invalid choice"),
     ],
 )

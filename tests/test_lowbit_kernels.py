@@ -71,7 +71,10 @@ def q4_reference(x: torch.Tensor, codes, scale, minimum) -> torch.Tensor:
 def test_the_4_bit_kernel_computes_the_quantized_product(in_features, rows):
     codes, scale, minimum = random_q4(70, in_features)
     packed, scales_and_mins = kernels.pack_q4(codes, scale, minimum)
-    x = torch.randn(rows, in_features)
+    # Seeded: an activation whose x·127/max lands within an ulp of a half step rounds to either code,
+    # and unseeded, which values came depended on the tests that ran before (a 0.4% miss, once in
+    # a targeted run on a Zen 4 EPYC).
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows * 10_000 + in_features))
     got = torch.ops.ceiling.q4_linear(x, packed, scales_and_mins)
     assert got.shape == (rows, 70) and got.dtype == torch.float32
     expected = q4_reference(x, codes, scale, minimum)
@@ -88,7 +91,7 @@ def test_the_int8_kernel_computes_the_quantized_product(in_features, rows):
     generator = torch.Generator().manual_seed(1)
     weights = torch.randint(-127, 128, (300, in_features), generator=generator, dtype=torch.int8)
     row_scales = torch.rand(300, generator=generator) * 0.01
-    x = torch.randn(rows, in_features)
+    x = torch.randn(rows, in_features, generator=generator)  # seeded, as in the 4-bit test above
     got = torch.ops.ceiling.q8_linear(x, (weights.int() + 128).to(torch.uint8), row_scales)
     x_codes, x_scale = quantized_activations(x)
     dots = torch.einsum("rgj,ogj->rog", x_codes, weights.double().reshape(300, -1, Q4_GROUP))

@@ -181,11 +181,46 @@ def test_while_requests_decode_a_step_prefills_no_more_than_the_prefill_budget()
     assert [(c.start, c.end) for c in plan.prefill] == [(0, 63)]
 
 
-def test_an_engine_refuses_a_kv_dtype_or_prefill_budget_it_does_not_know():
+def test_at_most_max_running_requests_run_at_once_and_the_next_takes_a_freed_place():
+    blocks = BlockManager(num_blocks=64, page_size=8, prefix_sharing=False)
+    scheduler = Scheduler(blocks, max_batch_tokens=64, max_running=2)
+    seqs = [_sequence(list(range(5 + i)), request_id=f"r{i}") for i in range(4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    plan = scheduler.schedule()
+    assert [c.seq.request_id for c in plan.prefill] == ["r0", "r1"] and list(scheduler.waiting) == seqs[2:]
+    assert blocks.used == 4 and all(not seq.block_table for seq in seqs[2:])  # two blocks each; the waiting hold none
+    for seq in seqs[:2]:
+        seq.computed = len(seq.prompt)
+    assert len(scheduler.schedule().decode) == 2 and len(scheduler.running) == 2
+    scheduler.finish(seqs[0])
+    plan = scheduler.schedule()  # r2 takes r0's place, r3 still waits
+    assert [c.seq.request_id for c in plan.prefill] == ["r2"] and plan.decode == [seqs[1]]
+    assert list(scheduler.waiting) == [seqs[3]]
+    assert Scheduler(blocks, max_batch_tokens=64).max_running == 64  # 0: as many as the batch's tokens
+    assert Scheduler(blocks, max_batch_tokens=64, max_running=500).max_running == 64
+
+
+def test_a_cpu_engine_gets_the_measured_step_limits_unless_configured_and_a_gpu_none(settings):
+    from inference.engine.config import step_limits
+    from inference.engines import engine_config_from_settings
+
+    settings.CEILING_DEVICE, settings.CEILING_PREFILL_BUDGET, settings.CEILING_MAX_RUNNING = "cpu", None, None
+    config = engine_config_from_settings(model_dir())
+    assert (config.prefill_budget, config.max_running) == (32, 12)
+    settings.CEILING_PREFILL_BUDGET, settings.CEILING_MAX_RUNNING = 0, 40
+    config = engine_config_from_settings(model_dir())
+    assert (config.prefill_budget, config.max_running) == (0, 40)
+    assert step_limits("cuda", None, None) == (0, 0) and step_limits("cuda", 64, 8) == (64, 8)
+
+
+def test_an_engine_refuses_a_kv_dtype_prefill_budget_or_max_running_it_does_not_know():
     with pytest.raises(EngineError, match="kv_dtype must be one of float32, float16"):
         EngineConfig(model_dir=model_dir(), kv_dtype="int4")
     with pytest.raises(EngineError, match="prefill_budget must be 0"):
         EngineConfig(model_dir=model_dir(), prefill_budget=-1)
+    with pytest.raises(EngineError, match="max_running must be 0"):
+        EngineConfig(model_dir=model_dir(), max_running=-1)
 
 
 def test_prefix_blocks_are_shared_revived_from_the_free_list_and_never_the_last_prompt_block():

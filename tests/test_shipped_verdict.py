@@ -3,6 +3,8 @@ chat, audited and announced; staff pins are kept; full precision where q4 cannot
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from django.test import Client
 
@@ -32,6 +34,23 @@ def test_a_first_start_serves_the_demo_features_with_q4_audited_and_announced(de
     assert lines[0].startswith("Serving chat with q4 weights (the shipped verdict: the bundled model is a Q4_1 GGUF")
     assert adopt_shipped_verdict(None, say=lines.append) == []  # the next start changes nothing
     assert AuditEntry.objects.filter(field="quantization").count() == 2
+
+
+def test_every_feature_the_demo_makes_is_served_with_q4_so_no_full_precision_worker_compiles(transactional_db):
+    from django.core.management import call_command
+
+    from inference.variants import variants_in_use
+
+    quiet = io.StringIO()
+    call_command("seed_demo", "--no-history", stdout=quiet)
+    call_command("synth_logs", rows=50, users=5, days=3, stdout=quiet)  # the history seed_demo adds, smaller
+    made = set(Feature.objects.filter(enabled=True).values_list("name", flat=True))
+    assert made == {"chat", "docs", "summary", "extract"}
+
+    adopt_shipped_verdict(None, say=lambda _: None)
+
+    assert set(Feature.objects.filter(enabled=True).values_list("quantization", flat=True)) == {"q4"}
+    assert variants_in_use() == ["none", "q4"]  # the default variant's worker stays (remote features, small jobs)
 
 
 def test_it_never_switches_a_pinned_feature(demo_features):

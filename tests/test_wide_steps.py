@@ -150,5 +150,5 @@ def test_the_setting_reaches_the_engine_and_the_benchs_own_worker(settings, wide
     assert engine_config_from_settings(model_dir()).q4_wide_bf16 is wide
     options = {"loop": "owned", "attention": "varlen", "max_batch_tokens": 512, "skinny_linear": True,
                "quantization": Q4, "compile_buckets": (), "q4_wide_bf16": wide, "prefill_budget": 0,
-               "kv_dtype": "float32"}
+               "max_running": 0, "kv_dtype": "float32"}
     assert stack_env(options, 1)["CEILING_Q4_WIDE_BF16"] == ("1" if wide else "0")

@@ -33,6 +33,9 @@ class EngineConfig:
     # Owned loop: prompt tokens a step may prefill while any request is decoding (0: up to
     # max_batch_tokens), so streaming answers are not held up by big prompt chunks (owned/scheduler.py).
     prefill_budget: int = 0
+    # Owned loop: requests in the running batch at once, the rest wait their turn (0: up to
+    # max_batch_tokens); each step's rows all wait for the whole step (owned/scheduler.py).
+    max_running: int = 0
     # Owned loop, fp32 activations on a CPU: the KV cache's dtype, "float32" or "float16" (half the
     # bytes a decode step reads per cached position; owned/runner.py cache_dtype).
     kv_dtype: str = "float32"
@@ -61,12 +64,40 @@ class EngineConfig:
     # under the system's temporary directory); torch's kernels where they cannot be built, or with False.
     own_kernels: bool = True
     kernel_cache_dir: Path | None = None
+    # Where the load-time timings (routes, decode stack, compiled buckets) are kept per machine, so a
+    # restart takes them without timing (inference/engine/measured.py); None times at every load.
+    measurements_file: Path | None = None
+    remeasure: bool = False  # time again at this load and replace what was kept
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPE_NAMES:
             raise EngineError(f"kv_dtype must be one of {', '.join(KV_DTYPE_NAMES)}, not {self.kv_dtype!r}")
+        if self.max_running < 0:
+            raise EngineError(f"max_running must be 0 (no limit) or a number of requests, not {self.max_running}")
         if self.prefill_budget < 0:
             raise EngineError(f"prefill_budget must be 0 (no limit) or a number of tokens, not {self.prefill_budget}")
+
+
+# The per-step limits a CPU engine gets unless configured (CEILING_PREFILL_BUDGET, CEILING_MAX_RUNNING).
+# Every decode row waits for its whole step, and past ~12 rows a CPU step's time grows with its rows
+# about as fast as the tokens it makes: on the bench's --quick burst (24 requests at once, q4, 2-core
+# AMD EPYC Zen 4, 2026-12-07) no cap gave 60-62 ms per streamed token (TPOT p50) against llama.cpp's
+# 39.6 (its 8 slots), 12 running and a 32-token prefill budget 35.8 ms, with the first token still
+# sooner than llama.cpp's (TTFT p50 985 against 1,458 ms) and the burst 1.9× its tokens/s
+# (docs/engine.md, "Requests in the running batch"). A GPU's step costs about the same for 1 row or 64:
+# no limits there.
+CPU_PREFILL_BUDGET = 32
+CPU_MAX_RUNNING = 12
+
+
+def step_limits(device: str, prefill_budget: int | None, max_running: int | None) -> tuple[int, int]:
+    """(prefill_budget, max_running) as configured, else the device's defaults (0 = no limit)."""
+    on_cpu = not device.startswith("cuda")
+    if prefill_budget is None:
+        prefill_budget = CPU_PREFILL_BUDGET if on_cpu else 0
+    if max_running is None:
+        max_running = CPU_MAX_RUNNING if on_cpu else 0
+    return prefill_budget, max_running
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs

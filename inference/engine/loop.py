@@ -26,6 +26,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 
 import torch
 
@@ -33,10 +34,11 @@ from . import kernels
 from .chat import encode_chat
 from .config import GREEDY, EngineConfig, EngineError, Sampling
 from .internals import kv_block_usage, scheduler_counts
+from .measured import KeptMeasurements, kept_measurements, kept_note
 from .owned.manager import OwnedManager
 from .owned.runner import KV_DTYPES, unsupported_reason
 from .patches import attention
-from .patches.linears import describe, measure_row_buckets, plain_linears, use_skinny_linears
+from .patches.linears import BucketTiming, describe, measure_row_buckets, plain_linears, use_skinny_linears
 from .patches.quantization import (
     NEVER,
     OWN_KERNELS,
@@ -47,7 +49,9 @@ from .patches.quantization import (
     kernels_of,
     measure_q4_rows,
     measure_wide_rows,
+    q4_routes,
     quantize_model,
+    route_packed_layers,
     weights_memory_bytes,
 )
 from .stream import CANCELLED, EngineStats, FailedOutput, RequestHandle, StreamEvent
@@ -106,6 +110,7 @@ class Engine:
         self.wide_min_rows = NEVER  # steps of at least this many rows read the bf16 copy (q4 variant only)
         self.q4_max_rows_before_wide = 0  # the 4-bit route's reach as measured against fp32 alone
         self.kernels = TORCH_KERNELS  # whose kernels the q4 variant's packed layers run on
+        self.kept = KeptMeasurements(None)  # what load() times, kept per machine (measured.py); set by load()
         self.loop = config.loop  # the loop that really runs: "owned" or "transformers" (see _choose_loop)
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -121,6 +126,7 @@ class Engine:
             # filled and every restart compiled again. A folder the environment names still wins.
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.config.compile_cache_dir))
         started = time.monotonic()
+        self.kept = kept_measurements(self.config)
         progress(f"Loading tokenizer from {self.config.model_dir}…")
         # The caller's thread (a worker's main thread) lives on: its torch work must not. The
         # tokenizer too: on one Xeon, loading it here left an OpenMP team in the calling thread
@@ -157,20 +163,40 @@ class Engine:
         if self.config.attention == "varlen" and on_cpu and self.loop == "transformers":
             attention.enable(self.model)
         if self.config.skinny_linear and on_cpu:
-            timings = measure_row_buckets(plain_linears(self.model))
+            timings, kept = self.kept.measured(
+                "skinny_rows", lambda: [asdict(t) for t in measure_row_buckets(plain_linears(self.model))])
+            timings = [BucketTiming(**t) for t in timings]
             self.skinny_buckets = use_skinny_linears(self.model, [t.rows for t in timings if t.skinny_wins])
-            progress(f"Decode linears, F.linear vs W·xᵀ per pass over the weights: {describe(timings)}")
+            progress(f"Decode linears, F.linear vs W·xᵀ per pass over the weights: {describe(timings)}{kept_note(kept)}")
         if self.config.quantization == Q4:
+            self._route_q4(progress)
+
+    def _route_q4(self, progress) -> None:
+        """The 4-bit route's reach, and the bf16 copy's for wide steps: as kept from an earlier start on
+        this machine (inference/engine/measured.py), else timed now and kept."""
+        kept = self.kept.recall("q4_routes")
+        if kept is None:
             # After the skinny routes: q4 competes with the route an fp32 step would really take.
-            self.q4_max_rows, q4_timings = measure_q4_rows(self.model)
-            progress(f"Decode linears, fp32 vs 4-bit weights per pass over the block linears: {describe_q4(self.q4_max_rows, q4_timings)}")
-            self.q4_max_rows_before_wide = self.q4_max_rows
+            max_rows, q4_timings = measure_q4_rows(self.model)
+            wide_min_rows, wide_timings = NEVER, []
             if self.config.q4_wide_bf16:
-                self.wide_min_rows, wide_timings = measure_wide_rows(self.model)
-                self.q4_max_rows = min(self.q4_max_rows, self.wide_min_rows - 1)
-                self.weights_bytes = weights_memory_bytes(self.model)
-                progress(f"Wide steps, their route vs a bf16 copy per pass over the block linears: "
-                         f"{describe_wide(self.wide_min_rows, wide_timings)}")
+                wide_min_rows, wide_timings = measure_wide_rows(self.model)
+            kept = {"q4_max_rows": max_rows, "q4_timings": q4_timings, "wide_min_rows": wide_min_rows,
+                    "wide_timings": wide_timings, "routes": q4_routes(self.model)}
+            self.kept.keep("q4_routes", kept)
+            note = ""
+        else:
+            route_packed_layers(self.model, kept["routes"])
+            note = kept_note(True)
+        self.q4_max_rows = self.q4_max_rows_before_wide = kept["q4_max_rows"]
+        progress("Decode linears, fp32 vs 4-bit weights per pass over the block linears: "
+                 f"{describe_q4(self.q4_max_rows, kept['q4_timings'])}{note}")
+        if self.config.q4_wide_bf16:
+            self.wide_min_rows = kept["wide_min_rows"]
+            self.q4_max_rows = min(self.q4_max_rows, self.wide_min_rows - 1)
+            progress(f"Wide steps, their route vs a bf16 copy per pass over the block linears: "
+                     f"{describe_wide(self.wide_min_rows, kept['wide_timings'])}{note}")
+        self.weights_bytes = weights_memory_bytes(self.model)
 
     def _own_kernels_unavailable(self) -> str | None:
         """Why the q4 variant cannot run on Ceiling's kernels (None: built, once per machine, and loaded now)."""
@@ -202,6 +228,7 @@ class Engine:
                 compile_buckets=() if self.config.device.startswith("cuda") else self.config.compile_buckets,
                 compile_cache_dir=self.config.compile_cache_dir, paged_attention=self.paged_attention,
                 prefill_budget=self.config.prefill_budget, kv_dtype=KV_DTYPES[self.config.kv_dtype],
+                kept=self.kept, max_running=self.config.max_running,
             )
             manager.start()
             return manager

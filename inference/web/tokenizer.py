@@ -28,22 +28,21 @@ def get_tokenizer():
     return _tokenizer
 
 
-def load_tokenizer_in_background() -> None:
-    """Start loading the tokenizer now, so the web process's first chat does not pay for it.
+def load_tokenizer_now() -> None:
+    """Load the tokenizer before the web process takes its first connection, so its first chat does not pay.
 
-    Importing transformers and reading the tokenizer costs a web process about 1.5 s of CPU; done
-    by the first request, every chat that arrives meanwhile waits behind it. The size check's
-    longest token (~50 ms over the vocabulary) is found here too.
+    Importing transformers and reading the tokenizer costs a web process about 1.5 s of CPU. Loaded in
+    a background thread (as before), the page answered while it loaded, and the first chat sent right
+    after waited for it: 1,032 ms to its first token against ~80 ms for the next ones (`bench
+    --first-run`, 2-core AMD EPYC, Zen 4, 2026-12-07). Done here, the page answers once a chat can be
+    served. The size check's longest token (~50 ms over the vocabulary) is found here too. A failure
+    is logged and left to the first request, which loads it again and reports the error.
     """
-
-    def load() -> None:
-        try:
-            get_tokenizer()
-            longest_token_bytes()
-        except Exception:  # noqa: BLE001 - the first request loads it again and reports the error
-            log.exception("loading the tokenizer at start failed")
-
-    threading.Thread(target=load, name="tokenizer-load", daemon=True).start()
+    try:
+        get_tokenizer()
+        longest_token_bytes()
+    except Exception:  # noqa: BLE001 - the first request loads it again and reports the error
+        log.exception("loading the tokenizer at start failed")
 
 
 def chat_prompt_ids(messages: list[dict]) -> list[int]:

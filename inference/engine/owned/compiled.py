@@ -29,12 +29,13 @@ import threading
 import time
 import types
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from ..measured import KeptMeasurements, kept_note
 from .rows import DecodeRow, decode_arguments, rotate
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class CompileReport:
     error: str = ""
     fallbacks: int = 0  # steps the graphs' guards refused, served eagerly instead
     timings: list = field(default_factory=list)  # (round, rows, "eager" | "compiled", ms)
+    kept: bool = False  # the verdicts are an earlier start's on this machine (inference/engine/measured.py)
 
     def describe(self) -> str:
         if self.state == "failed":
@@ -77,7 +79,7 @@ class CompileReport:
             f"{'' if b.faster else ' (eager kept)'}"
             for b in self.buckets
         ]
-        return f"decode steps compiled in {self.compile_seconds:.0f} s: " + "; ".join(parts)
+        return f"decode steps compiled in {self.compile_seconds:.0f} s: " + "; ".join(parts) + kept_note(self.kept)
 
     def as_dict(self) -> dict:
         return {
@@ -148,8 +150,9 @@ class DecodeCompiler:
     """Compiles a runner's decode buckets in a thread of its own and installs those that are faster."""
 
     def __init__(self, runner, threads: int, cache_dir: Path | None = None,
-                 buckets: Sequence[int] = DEFAULT_BUCKETS) -> None:
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, kept: KeptMeasurements | None = None) -> None:
         self.runner = runner
+        self.kept = kept or KeptMeasurements(None)  # the verdict per bucket, from an earlier start on this machine
         self.threads = threads
         self.cache_dir = cache_dir
         self.buckets = sorted(set(buckets))
@@ -180,8 +183,33 @@ class DecodeCompiler:
 
     @torch.inference_mode()
     def _compile_and_choose(self) -> None:
+        kept = self.kept.recall("compiled_decode")
+        if kept is not None:
+            self._compile_as_kept([BucketTiming(**bucket) for bucket in kept])
+            return
+        self._compile_and_time()
+        self.kept.keep("compiled_decode", [asdict(bucket) for bucket in self.report.buckets])
+
+    def _compile_as_kept(self, buckets: list[BucketTiming]) -> None:
+        """Compile only the buckets an earlier start on this machine measured faster (none: nothing to
+        compile), and use them without timing them again."""
+        self.report.buckets, self.report.kept = buckets, True
+        faster = [bucket.rows for bucket in buckets if bucket.faster]
+        if not faster:
+            self.report.state = "slower"
+            return
+        compiled, k_caches, v_caches = self._compiled_step_and_scratch(decode_step_function(self.runner))
+        started = time.monotonic()
+        for bucket in faster:
+            compiled(*decode_arguments(self.runner, _scratch_rows(self.runner, bucket, 41), bucket, k_caches, v_caches))
+        self.report.compile_seconds = time.monotonic() - started
+        guarded = _guarded(compiled, self.report)
+        self.compiled_steps = dict.fromkeys(faster, guarded)
+        self.runner.decode_steps = dict(self.compiled_steps)  # one assignment: the loop sees all of them or none
+        self.report.state = "used"
+
+    def _compiled_step_and_scratch(self, eager: Callable) -> tuple[Callable, list[torch.Tensor], list[torch.Tensor]]:
         runner = self.runner
-        eager = decode_step_function(runner)
         # Dynamo's guards on the model's modules cost ~1 ms of a lone step's ~12 (one thread). The
         # runner's modules never change once loaded, and its step has a code object (so a graph
         # cache) of its own (decode_step_function): the guards on the modules can go.
@@ -196,6 +224,12 @@ class DecodeCompiler:
         with torch.inference_mode(False):
             k_caches = [torch.zeros(shape, dtype=dtype, device=runner.device) for _ in runner.layers]
             v_caches = [torch.zeros(shape, dtype=dtype, device=runner.device) for _ in runner.layers]
+        return compiled, k_caches, v_caches
+
+    def _compile_and_time(self) -> None:
+        runner = self.runner
+        eager = decode_step_function(runner)
+        compiled, k_caches, v_caches = self._compiled_step_and_scratch(eager)
         started = time.monotonic()
         for bucket in self.buckets:  # the first call of each shape compiles it
             compiled(*decode_arguments(runner, _scratch_rows(runner, bucket, 41), bucket, k_caches, v_caches))

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from ..config import GREEDY, Sampling
+from ..measured import KeptMeasurements
 from .blocks import BlockManager
 from .compiled import DecodeCompiler
 from .runner import ModelRunner
 from .sampler import pick_tokens
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .stack import StackReport
+from .stack import StackReport, install_as_kept
 from .stack import install as install_stack
 from .threads import ThreadGovernor
 
@@ -48,8 +49,10 @@ class StepOutput:
 class OwnedManager:
     def __init__(self, model, *, num_blocks: int, page_size: int, max_batch_tokens: int, prefix_sharing: bool,
                  compile_buckets: tuple[int, ...] = (), compile_cache_dir=None, paged_attention: bool = False,
-                 prefill_budget: int = 0, kv_dtype: torch.dtype | None = None) -> None:
+                 prefill_budget: int = 0, kv_dtype: torch.dtype | None = None,
+                 kept: KeptMeasurements | None = None, max_running: int = 0) -> None:
         self.model = model
+        self.kept = kept or KeptMeasurements(None)  # the stack's and the compile's verdicts, per machine
         self.paged_attention = paged_attention
         self.kv_dtype = kv_dtype
         self.compile_buckets = compile_buckets  # () : no compiled steps
@@ -61,7 +64,7 @@ class OwnedManager:
         self.max_batch_tokens = max_batch_tokens
         self.prefix_sharing = prefix_sharing
         self.blocks = BlockManager(num_blocks, page_size, prefix_sharing)
-        self.scheduler = Scheduler(self.blocks, max_batch_tokens, prefill_budget=prefill_budget)
+        self.scheduler = Scheduler(self.blocks, max_batch_tokens, prefill_budget=prefill_budget, max_running=max_running)
         self._incoming: queue.SimpleQueue = queue.SimpleQueue()
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -131,7 +134,7 @@ class OwnedManager:
             self._ready.set()
             return
         try:
-            self.stack_report = install_stack(self.runner, (1, max(self.compile_buckets, default=8)))
+            self.stack_report = self._install_stack()
         except Exception as exc:  # a kernel refusing these weights leaves the other paths, and says why
             log.warning("the decode stack could not be used: %s", exc, exc_info=True)
             self.stack_report = StackReport("unavailable", f"{type(exc).__name__}: {exc}"[:300])
@@ -139,7 +142,7 @@ class OwnedManager:
         if self.compile_buckets and not self._stack_serves(self.compile_buckets):
             # serves eagerly until the compiled steps are built and measured faster
             self.compiler = DecodeCompiler(self.runner, torch.get_num_threads(), self.compile_cache_dir,
-                                           self.compile_buckets)
+                                           self.compile_buckets, kept=self.kept)
             self.compiler.start()
         self.governor = ThreadGovernor(torch.get_num_threads())
         self._ready.set()
@@ -158,6 +161,16 @@ class OwnedManager:
                 self._outputs.put(StepOutput(seq.request_id, seq.generated, finished=True, error=str(exc)))
         finally:
             self._alive = False
+
+    def _install_stack(self) -> StackReport:
+        """The decode stack where it measured faster: at an earlier start on this machine, else now."""
+        kept = self.kept.recall("decode_stack")
+        if kept is not None:
+            return install_as_kept(self.runner, kept)
+        report = install_stack(self.runner, (1, max(self.compile_buckets, default=8)))
+        if report.state != "unavailable":
+            self.kept.keep("decode_stack", report.as_dict())
+        return report
 
     def _stack_serves(self, buckets: tuple[int, ...]) -> bool:
         """Whether the stack takes every decode step the compiled graphs would (then none are compiled)."""

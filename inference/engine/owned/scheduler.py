@@ -55,10 +55,14 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch_tokens: int, clock=time.monotonic,
-                 prefill_budget: int = 0) -> None:
+                 prefill_budget: int = 0, max_running: int = 0) -> None:
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
         self.prefill_budget = prefill_budget  # 0: no limit beyond max_batch_tokens
+        # Requests in the running batch at once (vLLM's max_num_seqs, llama.cpp's slots); 0: as many as
+        # max_batch_tokens. Every decode row waits for the whole step, and past ~16 rows a CPU step's
+        # time grows with its rows about as fast as the tokens it makes: a cap keeps each stream fast.
+        self.max_running = min(max_running or max_batch_tokens, max_batch_tokens)
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -113,7 +117,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         held_back: list[Sequence] = []  # wait for a prefix that a running request is computing
-        while self.waiting and len(self.running) < self.max_batch_tokens:
+        while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if self.blocks.awaits_shared_prefix(seq):
                 held_back.append(self.waiting.popleft())

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..measured import kept_note
 from ..patches.quantization import OWN_KERNELS
 from .scheduler import StepPlan
 from .sequence import Sequence as Request
@@ -110,6 +111,7 @@ class StackReport:
     reason: str = ""
     max_rows: int = 0
     timings: list[StackTiming] = field(default_factory=list)
+    kept: bool = False  # the timings are an earlier start's on this machine (inference/engine/measured.py)
 
     def describe(self) -> str:
         if self.state == "unavailable":
@@ -117,7 +119,7 @@ class StackReport:
         parts = "; ".join(f"{t.rows} row{'s' if t.rows > 1 else ''} eager {t.eager_ms:.1f} ms vs stacked "
                           f"{t.stacked_ms:.1f} ms" for t in self.timings)
         verb = "up to " + str(self.max_rows) + " rows" if self.state == "used" else "not used, slower"
-        return f"decode steps in one C++ call, {verb}: {parts}"
+        return f"decode steps in one C++ call, {verb}: {parts}{kept_note(self.kept)}"
 
     def as_dict(self) -> dict:
         return {"state": self.state, "reason": self.reason, "max_rows": self.max_rows,
@@ -140,6 +142,20 @@ def install(runner, rows_to_time: Sequence[int] = (1, 8)) -> StackReport:
     if all(t.stacked_ms <= (1 - MIN_GAIN) * t.eager_ms for t in report.timings):
         runner.stacked = stacked
         report.state = "used"
+    return report
+
+
+def install_as_kept(runner, kept: dict) -> StackReport:
+    """Give the runner the stack as an earlier start on this machine decided (`kept`: a StackReport's
+    as_dict()), without timing; the stack's own checks of the weights still run."""
+    reason = unavailable_reason(runner)
+    if reason is not None:
+        return StackReport("unavailable", reason)
+    stacked = StackedDecode(runner)
+    report = StackReport(kept["state"], max_rows=stacked.max_rows, kept=True,
+                         timings=[StackTiming(t["rows"], t["eager_ms"], t["stacked_ms"]) for t in kept["timings"]])
+    if report.state == "used":
+        runner.stacked = stacked
     return report
 
 

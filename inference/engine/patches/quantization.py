@@ -386,6 +386,29 @@ def measure_q4_rows(model: nn.Module, repeats: int = 3) -> tuple[int, list[tuple
     return max_rows, timings
 
 
+def q4_routes(model: nn.Module) -> dict[str, int]:
+    """Where the packed layers' routes stand (measure_q4_rows, measure_wide_rows): kept so that a
+    restart routes the same without timing (inference/engine/measured.py), set with route_packed_layers."""
+    routes = {}
+    for buffer in ("q4_weight", "q8_weight"):
+        group = _packed_layers(model, buffer)
+        if group:
+            routes[f"{buffer}.q4_max_rows"] = group[0].q4_max_rows
+            routes[f"{buffer}.wide_min_rows"] = getattr(group[0], "wide_min_rows", NEVER)
+    return routes
+
+
+def route_packed_layers(model: nn.Module, routes: dict[str, int]) -> None:
+    """Route the packed layers as `routes` (from q4_routes) says, bf16 copies made where wide steps read them."""
+    for buffer in ("q4_weight", "q8_weight"):
+        group = _packed_layers(model, buffer)
+        if not group:
+            continue
+        for layer in group:
+            layer.q4_max_rows = routes.get(f"{buffer}.q4_max_rows", 0)
+        keep_wide_copy(group, routes.get(f"{buffer}.wide_min_rows", NEVER))
+
+
 def _route_by_rows(layers: list[nn.Linear], packed_forward, repeats: int) -> tuple[int, list[tuple[int, float, float]]]:
     """Route the layers' steps of few rows to their packed copy up to the last bucket of an unbroken run of wins."""
     routes = {"fp32": routed_linear_forward, "q4": packed_forward}

@@ -20,6 +20,7 @@ from inference.engine.bench.measure import BenchError, machine_facts, measured_f
 from inference.engine.bench.modes import run_in_child
 from inference.engine.bench.peer import run_peer
 from inference.engine.bench.workload import WorkloadSpec, describe, mixed_workload
+from inference.engine.config import step_limits
 from inference.engine.patches.quantization import MODES
 from inference.engines import model_dir
 
@@ -57,7 +58,11 @@ class Command(DatabaseCommand):
                                  "them before the engine and stack modes run (inference/engine/owned/compiled.py)")
         parser.add_argument("--max-batch-tokens", type=int, default=settings.CEILING_MAX_BATCH_TOKENS)
         parser.add_argument("--prefill-budget", type=int, default=settings.CEILING_PREFILL_BUDGET,
-                            help="prompt tokens a step may prefill while requests decode, 0 for no limit (CEILING_PREFILL_BUDGET)")
+                            help="prompt tokens a step may prefill while requests decode, 0 for no limit (default: CEILING_PREFILL_BUDGET, "
+                                 "else 32 on a CPU)")
+        parser.add_argument("--max-running", type=int, default=settings.CEILING_MAX_RUNNING,
+                            help="requests in the engine's running batch at once, 0 for no limit (default: CEILING_MAX_RUNNING, else 12 "
+                                 "on a CPU)")
         parser.add_argument("--kv-dtype", choices=("float32", "float16"), default=settings.CEILING_KV_DTYPE,
                             help="the KV cache's dtype on a CPU (CEILING_KV_DTYPE)")
         parser.add_argument("--q4-wide-bf16", action=argparse.BooleanOptionalAction, default=settings.CEILING_Q4_WIDE_BF16,
@@ -181,8 +186,13 @@ class Command(DatabaseCommand):
             raise CommandError("--stream-interval must be at least 1 token")
         if options["repeat"] < 1:
             raise CommandError("--repeat must be at least 1")
-        if options["prefill_budget"] < 0:
+        if options["prefill_budget"] is not None and options["prefill_budget"] < 0:
             raise CommandError("--prefill-budget must be 0 (no limit) or a number of tokens")
+        if options["max_running"] is not None and options["max_running"] < 0:
+            raise CommandError("--max-running must be 0 (no limit) or a number of requests")
+        # Unset: what a worker on this machine gets (inference/engine/config.py, step_limits).
+        options["prefill_budget"], options["max_running"] = step_limits(
+            settings.CEILING_DEVICE or "cpu", options["prefill_budget"], options["max_running"])
         return WorkloadSpec(requests=requests, seed=options["seed"], shared_fraction=options["shared_fraction"],
                             rate=options["rate"], max_output_tokens=options["max_output_tokens"])
 
@@ -203,6 +213,7 @@ class Command(DatabaseCommand):
         machine["attention"] = options["attention"]
         machine["max_batch_tokens"] = options["max_batch_tokens"]
         machine["prefill_budget"] = options["prefill_budget"]
+        machine["max_running"] = options["max_running"]
         machine["kv_dtype"] = options["kv_dtype"]
         machine["skinny_linear"] = options["skinny_linear"]
         machine["compile_buckets"] = list(settings.CEILING_COMPILE_BUCKETS) if options["compile_decode"] else []
@@ -219,6 +230,7 @@ class Command(DatabaseCommand):
             "attention": options["attention"],
             "max_batch_tokens": options["max_batch_tokens"],
             "prefill_budget": options["prefill_budget"],
+            "max_running": options["max_running"],
             "kv_dtype": options["kv_dtype"],
             "skinny_linear": options["skinny_linear"],
             "quantization": options["quantization"],
@@ -308,6 +320,7 @@ def stack_env(engine_options: dict, stream_interval: int) -> dict[str, str]:
         "CEILING_ATTENTION": engine_options["attention"],
         "CEILING_MAX_BATCH_TOKENS": str(engine_options["max_batch_tokens"]),
         "CEILING_PREFILL_BUDGET": str(engine_options["prefill_budget"]),
+        "CEILING_MAX_RUNNING": str(engine_options["max_running"]),
         "CEILING_KV_DTYPE": engine_options["kv_dtype"],
         "CEILING_SKINNY_LINEAR": "1" if engine_options["skinny_linear"] else "0",
         "CEILING_QUANTIZATION": engine_options["quantization"],
