@@ -174,7 +174,9 @@ class Engine:
     def _route_q4(self, progress) -> None:
         """The 4-bit route's reach, and the bf16 copy's for wide steps: as kept from an earlier start on
         this machine (inference/engine/measured.py), else timed now and kept."""
-        kept = self.kept.recall("q4_routes")
+        # Per kernel set: routes timed on torch's kernels (Ceiling's could not be built) say nothing of Ceiling's.
+        name = f"q4_routes.{self.kernels}"
+        kept = self.kept.recall(name)
         if kept is None:
             # After the skinny routes: q4 competes with the route an fp32 step would really take.
             max_rows, q4_timings = measure_q4_rows(self.model)
@@ -183,7 +185,7 @@ class Engine:
                 wide_min_rows, wide_timings = measure_wide_rows(self.model)
             kept = {"q4_max_rows": max_rows, "q4_timings": q4_timings, "wide_min_rows": wide_min_rows,
                     "wide_timings": wide_timings, "routes": q4_routes(self.model)}
-            self.kept.keep("q4_routes", kept)
+            self.kept.keep(name, kept)
             note = ""
         else:
             route_packed_layers(self.model, kept["routes"])
