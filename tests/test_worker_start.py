@@ -108,3 +108,19 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_the_web_process_has_its_tokenizer_before_it_listens():
+    # Loaded in a background thread, the page answered while it loaded and the first chat sent right
+    # after waited ~900 ms for it (bench --first-run): the ASGI module now loads it on import, and
+    # daphne imports the application before it binds its port.
+    script = textwrap.dedent("""
+        import project.asgi
+        from inference.web import tokenizer
+        print("loaded:", tokenizer._tokenizer is not None)
+    """)
+    env = os.environ | {"DJANGO_SETTINGS_MODULE": "project.settings", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loaded: True" in done.stdout
