@@ -31,6 +31,7 @@ class Stack:
     port: int
     daphne_log: Path
     worker_log: Path
+    worker_id: str = ""  # its worker's id in ceiling:engine:<id> (engine_stats)
 
     @property
     def http_url(self) -> str:
@@ -121,12 +122,13 @@ def start_stack(redis_client: redis.Redis, name: str, worker_name: str, queue: s
     daphne = subprocess.Popen(stack.daphne_argv("127.0.0.1", port), env=env, stdout=daphne_log.open("w"), stderr=subprocess.STDOUT)
     processes = [daphne]
     try:
-        processes.insert(0, start_worker(redis_client, worker_log, worker_name, env, queue)[0])
+        worker, worker_id = start_worker(redis_client, worker_log, worker_name, env, queue)
+        processes.insert(0, worker)
         stack.wait_until(lambda: stack.port_answers("127.0.0.1", port), timeout=60, what="daphne")
     except BaseException:
         stack.stop_all(processes)
         raise
-    return Stack("127.0.0.1", port, daphne_log, worker_log), processes
+    return Stack("127.0.0.1", port, daphne_log, worker_log, worker_id), processes
 
 
 @pytest.fixture(scope="session")
@@ -136,6 +138,70 @@ def live_stack(django_db_setup, redis_db) -> Stack:
         yield live
     finally:
         stack.stop_all(processes)
+
+
+# --- one stack for the modules whose settings combine -------------------------------------------------
+#
+# Starting a daphne and a worker takes 30-145 s on 2 cores. These modules each started a stack of
+# their own for one setting or two, none of which changes what another module's tests see, so they
+# share one, on a queue of its own, with all of those settings:
+#   tests/test_stream_interval.py: four tokens a frame after the first;
+#   tests/test_remote_ceiling.py: 200-tool lists (inputs and bodies above the defaults);
+#   tests/test_tracing.py: traces exported over OTLP to a receiver in this process;
+#   tests/test_scale_out.py: a second web server and worker beside live_stack's;
+#   tests/test_variant_workers.py: its fp32 worker, beside an int8 one of its own.
+# It is stopped after the last test that uses it (pytest_runtest_teardown below), so the modules
+# after that one see no extra worker.
+
+SHARED_QUEUE = "inference-shared"
+SHARED_STREAM_INTERVAL = 4
+
+
+def shared_stack_settings(otlp_endpoint: str) -> dict[str, str]:
+    """The shared stack's settings (every worker started for it gets them too)."""
+    return {
+        "CEILING_STREAM_INTERVAL": str(SHARED_STREAM_INTERVAL),
+        "CEILING_MAX_INPUT_TOKENS": "200000",
+        "CEILING_MAX_FRAME_BYTES": str(1024 * 1024),
+        # Tracing switched on the way an operator does: an OTLP endpoint.
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint,
+        "OTEL_SERVICE_NAME": "ceiling-test",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver() -> str:
+    """The URL of the OTLP/HTTP receiver the shared stack exports its spans to (tests/otlp.py)."""
+    from tests.otlp import start_receiver
+
+    url, server = start_receiver()
+    yield url
+    server.shutdown()
+
+
+_stop_after_test: dict[str, list[subprocess.Popen]] = {}  # a test's node id → the processes to stop after it
+
+
+@pytest.fixture(scope="session")
+def shared_stack(request, django_db_setup, redis_db, otlp_receiver) -> Stack:
+    live, processes = start_stack(redis_db, "shared", "test-shared@%h", queue=SHARED_QUEUE,
+                                  **shared_stack_settings(otlp_receiver))
+    users = [item for item in request.session.items if "shared_stack" in getattr(item, "fixturenames", ())]
+    _stop_after_test[users[-1].nodeid] = processes
+    try:
+        yield live
+    finally:
+        stack.stop_all(processes)  # already stopped, unless the run ended before its last user
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)
+    finally:
+        if item.nodeid in _stop_after_test:
+            stack.stop_all(_stop_after_test.pop(item.nodeid))
 
 
 def engine_stats(client: redis.Redis) -> list[dict]:
