@@ -25,6 +25,16 @@ LOG_DIR = Path(settings.BASE_DIR) / "var" / "test-logs"
 WORKER_CONCURRENCY = 16
 
 
+def pytest_configure(config) -> None:
+    """This process hashes the cast's passwords with few iterations (tests/hashers.py); it still
+    checks any pbkdf2_sha256 hash, whatever its iteration count."""
+    from django.contrib.auth.hashers import get_hashers, get_hashers_by_algorithm
+
+    settings.PASSWORD_HASHERS = ["tests.hashers.QuickPBKDF2PasswordHasher", *settings.PASSWORD_HASHERS]
+    get_hashers.cache_clear()
+    get_hashers_by_algorithm.cache_clear()
+
+
 @dataclass
 class Stack:
     host: str
