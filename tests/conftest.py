@@ -276,6 +276,39 @@ def _no_async_unsafe_leak():
     os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
 
 
+@dataclass
+class LoadedEngine:
+    engine: object  # inference.engine.Engine (torch is imported only by the tests that ask for one)
+    said: list[str]  # what its load reported (progress lines)
+
+
+@pytest.fixture(scope="session")
+def q4_engine_load() -> LoadedEngine:
+    """The real model's q4 variant as the settings build it, on Ceiling's kernels with the bf16 copies
+    for wide steps, its routes measured at load: loaded once (most of a minute on 2 cores) for the
+    tests that look at it (test_lowbit_kernels, test_q4, test_wide_steps), not started. A test that
+    starts it stops it again; a test that routes its layers by hand leaves every test after it the
+    load's measured figures on the engine (q4_max_rows, wide_min_rows) and its weights unchanged."""
+    from dataclasses import replace
+
+    from inference.engine import Engine
+    from inference.engine.patches.quantization import Q4
+    from inference.engines import engine_config_from_settings
+
+    config = replace(engine_config_from_settings(model_dir()), num_blocks=64, quantization=Q4, own_kernels=True,
+                     q4_wide_bf16=True)
+    engine = Engine(config)
+    said: list[str] = []
+    engine.load(progress=said.append)
+    yield LoadedEngine(engine, said)
+    engine.stop()
+
+
+@pytest.fixture
+def q4_engine(q4_engine_load):
+    return q4_engine_load.engine
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_in_process_engine():
     """Tests that run generation in-process start this process's engine; stop it while logging still works."""
