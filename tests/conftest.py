@@ -190,19 +190,15 @@ def otlp_receiver() -> str:
     server.shutdown()
 
 
-_stop_after_test: dict[str, list[subprocess.Popen]] = {}  # a test's node id → the processes to stop after it
+_after_test: dict[str, list] = {}  # a test's node id → what to stop once it is over
 
 
-@pytest.fixture(scope="session")
-def shared_stack(request, django_db_setup, redis_db, otlp_receiver) -> Stack:
-    live, processes = start_stack(redis_db, "shared", "test-shared@%h", queue=SHARED_QUEUE,
-                                  **shared_stack_settings(otlp_receiver))
-    users = [item for item in request.session.items if "shared_stack" in getattr(item, "fixturenames", ())]
-    _stop_after_test[users[-1].nodeid] = processes
-    try:
-        yield live
-    finally:
-        stack.stop_all(processes)  # already stopped, unless the run ended before its last user
+def stop_after_its_last_test(request, stop) -> None:
+    """Call stop() once the last test of this run that uses the requesting session fixture is over
+    (pytest_runtest_teardown below), not at the end of the run: the modules after it see none of it.
+    The fixture's own teardown should stop it too (a run cut short), so stop() must be idempotent."""
+    users = [item for item in request.session.items if request.fixturename in getattr(item, "fixturenames", ())]
+    _after_test.setdefault(users[-1].nodeid, []).append(stop)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -210,8 +206,41 @@ def pytest_runtest_teardown(item, nextitem):
     try:
         return (yield)
     finally:
-        if item.nodeid in _stop_after_test:
-            stack.stop_all(_stop_after_test.pop(item.nodeid))
+        for stop in _after_test.pop(item.nodeid, []):
+            stop()
+
+
+@pytest.fixture(scope="session")
+def shared_stack(request, django_db_setup, redis_db, otlp_receiver) -> Stack:
+    live, processes = start_stack(redis_db, "shared", "test-shared@%h", queue=SHARED_QUEUE,
+                                  **shared_stack_settings(otlp_receiver))
+    stop_after_its_last_test(request, lambda: stack.stop_all(processes))
+    try:
+        yield live
+    finally:
+        stack.stop_all(processes)  # already stopped, unless the run ended before its last user
+
+
+@pytest.fixture(scope="session")
+def fault_stack(request, django_db_setup):
+    """A private stack (tests/faults.py: its own redis-server, daphne, one worker) for the fault modules
+    that need no setting of their own: test_fault_redis_restart, then test_fault_worker_killed. Each
+    test gets it as the one before left it (Redis restarted, a worker killed and replaced…): the
+    fixtures of those modules check what they need and start more where it is missing."""
+    from tests.faults import PrivateRedis, start_private_stack
+
+    private_redis = PrivateRedis.start()
+    private = start_private_stack("faults", private_redis)
+
+    def stop() -> None:
+        private.stop()
+        private_redis.stop()
+
+    stop_after_its_last_test(request, stop)
+    try:
+        yield private
+    finally:
+        stop()
 
 
 def engine_stats(client: redis.Redis) -> list[dict]:

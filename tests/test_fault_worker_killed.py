@@ -21,29 +21,18 @@ pytestmark = pytest.mark.django_db(transaction=True)
 LONG_ANSWER = "Write a long story about a lighthouse keeper and a storm, with many details."
 
 
-@pytest.fixture(scope="module")
-def private_stack(django_db_setup):
-    """One private stack for both tests (a start is a minute on 2 cores): the first kills its worker
-    and starts another, the second adds a worker to that and kills one of the two with daphne."""
-    private_redis = PrivateRedis.start()
-    private = start_private_stack("killed", private_redis)
-    try:
-        yield private
-    finally:
-        private.stop()
-        private_redis.stop()
-
-
 def live_workers(private) -> list[int]:
     """The numbers of the private stack's workers that are still running."""
     return [number for number, worker in enumerate(private.workers) if worker.poll() is None]
 
 
 @pytest.fixture
-def worker_stack(private_stack):
-    """daphne and one worker, none of it touched yet: the module's stack, else a stack of its own."""
-    if private_stack.daphne.poll() is None and len(private_stack.workers) == 1 and live_workers(private_stack) == [0]:
-        yield private_stack
+def worker_stack(fault_stack):
+    """daphne and its one first worker, both running: the fault modules' stack (tests/conftest.py; a
+    start is a minute on 2 cores) where it is so, else a stack of its own."""
+    if fault_stack.daphne.poll() is None and len(fault_stack.workers) == 1 and live_workers(fault_stack) == [0]:
+        fault_stack.forget_reference_rows()
+        yield fault_stack
         return
     private_redis = PrivateRedis.start()
     private = start_private_stack("killed-again", private_redis)
@@ -121,13 +110,14 @@ def test_a_worker_killed_mid_stream_fails_the_request_with_the_tokens_streamed(w
 
 
 @pytest.fixture
-def two_worker_stack(private_stack):
-    """daphne and two running workers: the module's stack, with workers added until two run (after
-    the test above, its replacement worker and one more)."""
-    assert private_stack.daphne.poll() is None, "daphne was killed by an earlier test"
-    while len(live_workers(private_stack)) < 2:
-        private_stack.start_worker()
-    return private_stack
+def two_worker_stack(fault_stack):
+    """daphne and two running workers: the fault modules' stack (tests/conftest.py), with workers added
+    until two run (after the test above, its replacement worker and one more)."""
+    assert fault_stack.daphne.poll() is None, "daphne was killed by an earlier test"
+    while len(live_workers(fault_stack)) < 2:
+        fault_stack.start_worker()
+    fault_stack.forget_reference_rows()
+    return fault_stack
 
 
 async def stream_then_kill_its_worker_and_the_web(private, cookie: str, after_tokens: int):
