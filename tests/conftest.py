@@ -25,12 +25,23 @@ LOG_DIR = Path(settings.BASE_DIR) / "var" / "test-logs"
 WORKER_CONCURRENCY = 16
 
 
+def pytest_configure(config) -> None:
+    """This process hashes the cast's passwords with few iterations (tests/hashers.py); it still
+    checks any pbkdf2_sha256 hash, whatever its iteration count."""
+    from django.contrib.auth.hashers import get_hashers, get_hashers_by_algorithm
+
+    settings.PASSWORD_HASHERS = ["tests.hashers.QuickPBKDF2PasswordHasher", *settings.PASSWORD_HASHERS]
+    get_hashers.cache_clear()
+    get_hashers_by_algorithm.cache_clear()
+
+
 @dataclass
 class Stack:
     host: str
     port: int
     daphne_log: Path
     worker_log: Path
+    worker_id: str = ""  # its worker's id in ceiling:engine:<id> (engine_stats)
 
     @property
     def http_url(self) -> str:
@@ -121,12 +132,13 @@ def start_stack(redis_client: redis.Redis, name: str, worker_name: str, queue: s
     daphne = subprocess.Popen(stack.daphne_argv("127.0.0.1", port), env=env, stdout=daphne_log.open("w"), stderr=subprocess.STDOUT)
     processes = [daphne]
     try:
-        processes.insert(0, start_worker(redis_client, worker_log, worker_name, env, queue)[0])
+        worker, worker_id = start_worker(redis_client, worker_log, worker_name, env, queue)
+        processes.insert(0, worker)
         stack.wait_until(lambda: stack.port_answers("127.0.0.1", port), timeout=60, what="daphne")
     except BaseException:
         stack.stop_all(processes)
         raise
-    return Stack("127.0.0.1", port, daphne_log, worker_log), processes
+    return Stack("127.0.0.1", port, daphne_log, worker_log, worker_id), processes
 
 
 @pytest.fixture(scope="session")
@@ -136,6 +148,99 @@ def live_stack(django_db_setup, redis_db) -> Stack:
         yield live
     finally:
         stack.stop_all(processes)
+
+
+# --- one stack for the modules whose settings combine -------------------------------------------------
+#
+# Starting a daphne and a worker takes 30-145 s on 2 cores. These modules each started a stack of
+# their own for one setting or two, none of which changes what another module's tests see, so they
+# share one, on a queue of its own, with all of those settings:
+#   tests/test_stream_interval.py: four tokens a frame after the first;
+#   tests/test_remote_ceiling.py: 200-tool lists (inputs and bodies above the defaults);
+#   tests/test_tracing.py: traces exported over OTLP to a receiver in this process;
+#   tests/test_scale_out.py: a second web server and worker beside live_stack's;
+#   tests/test_variant_workers.py: its fp32 worker, beside an int8 one of its own.
+# It is stopped after the last test that uses it (pytest_runtest_teardown below), so the modules
+# after that one see no extra worker.
+
+SHARED_QUEUE = "inference-shared"
+SHARED_STREAM_INTERVAL = 4
+
+
+def shared_stack_settings(otlp_endpoint: str) -> dict[str, str]:
+    """The shared stack's settings (every worker started for it gets them too)."""
+    return {
+        "CEILING_STREAM_INTERVAL": str(SHARED_STREAM_INTERVAL),
+        "CEILING_MAX_INPUT_TOKENS": "200000",
+        "CEILING_MAX_FRAME_BYTES": str(1024 * 1024),
+        # Tracing switched on the way an operator does: an OTLP endpoint.
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint,
+        "OTEL_SERVICE_NAME": "ceiling-test",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver() -> str:
+    """The URL of the OTLP/HTTP receiver the shared stack exports its spans to (tests/otlp.py)."""
+    from tests.otlp import start_receiver
+
+    url, server = start_receiver()
+    yield url
+    server.shutdown()
+
+
+_after_test: dict[str, list] = {}  # a test's node id → what to stop once it is over
+
+
+def stop_after_its_last_test(request, stop) -> None:
+    """Call stop() once the last test of this run that uses the requesting session fixture is over
+    (pytest_runtest_teardown below), not at the end of the run: the modules after it see none of it.
+    The fixture's own teardown should stop it too (a run cut short), so stop() must be idempotent."""
+    users = [item for item in request.session.items if request.fixturename in getattr(item, "fixturenames", ())]
+    _after_test.setdefault(users[-1].nodeid, []).append(stop)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)
+    finally:
+        for stop in _after_test.pop(item.nodeid, []):
+            stop()
+
+
+@pytest.fixture(scope="session")
+def shared_stack(request, django_db_setup, redis_db, otlp_receiver) -> Stack:
+    live, processes = start_stack(redis_db, "shared", "test-shared@%h", queue=SHARED_QUEUE,
+                                  **shared_stack_settings(otlp_receiver))
+    stop_after_its_last_test(request, lambda: stack.stop_all(processes))
+    try:
+        yield live
+    finally:
+        stack.stop_all(processes)  # already stopped, unless the run ended before its last user
+
+
+@pytest.fixture(scope="session")
+def fault_stack(request, django_db_setup):
+    """A private stack (tests/faults.py: its own redis-server, daphne, one worker) for the fault modules
+    that need no setting of their own: test_fault_redis_restart, then test_fault_worker_killed. Each
+    test gets it as the one before left it (Redis restarted, a worker killed and replaced…): the
+    fixtures of those modules check what they need and start more where it is missing."""
+    from tests.faults import PrivateRedis, start_private_stack
+
+    private_redis = PrivateRedis.start()
+    private = start_private_stack("faults", private_redis)
+
+    def stop() -> None:
+        private.stop()
+        private_redis.stop()
+
+    stop_after_its_last_test(request, stop)
+    try:
+        yield private
+    finally:
+        stop()
 
 
 def engine_stats(client: redis.Redis) -> list[dict]:
@@ -198,6 +303,39 @@ def _no_async_unsafe_leak():
     # Playwright's sync API runs an event loop in the test thread; only the browser tests opt in.
     yield
     os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+
+
+@dataclass
+class LoadedEngine:
+    engine: object  # inference.engine.Engine (torch is imported only by the tests that ask for one)
+    said: list[str]  # what its load reported (progress lines)
+
+
+@pytest.fixture(scope="session")
+def q4_engine_load() -> LoadedEngine:
+    """The real model's q4 variant as the settings build it, on Ceiling's kernels with the bf16 copies
+    for wide steps, its routes measured at load: loaded once (most of a minute on 2 cores) for the
+    tests that look at it (test_lowbit_kernels, test_q4, test_wide_steps), not started. A test that
+    starts it stops it again; a test that routes its layers by hand leaves every test after it the
+    load's measured figures on the engine (q4_max_rows, wide_min_rows) and its weights unchanged."""
+    from dataclasses import replace
+
+    from inference.engine import Engine
+    from inference.engine.patches.quantization import Q4
+    from inference.engines import engine_config_from_settings
+
+    config = replace(engine_config_from_settings(model_dir()), num_blocks=64, quantization=Q4, own_kernels=True,
+                     q4_wide_bf16=True)
+    engine = Engine(config)
+    said: list[str] = []
+    engine.load(progress=said.append)
+    yield LoadedEngine(engine, said)
+    engine.stop()
+
+
+@pytest.fixture
+def q4_engine(q4_engine_load):
+    return q4_engine_load.engine
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -97,6 +98,18 @@ class PrivateStack:
 
     def stop(self) -> None:
         stack.stop_all([self.daphne, *self.workers])
+
+    def forget_reference_rows(self) -> None:
+        """What tests/conftest.py's _fresh_reference_cache does on the suite's Redis, on this one: every
+        reference table's version moves, so processes that served an earlier test read the quotas and
+        features this one made (a test's rows send their signals to the suite's Redis, not to this)."""
+        from budgets.counters import CounterStore
+        from budgets.refcache import TABLES, version_key
+
+        client = self.redis.client()
+        prefix = CounterStore(client).prefix
+        for table in TABLES:
+            client.set(version_key(table, prefix), uuid.uuid4().hex)
 
 
 def start_private_stack(

@@ -19,9 +19,9 @@ APP = "http://app.example"
 PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cors_stack(django_db_setup):
-    """A daphne that lets APP call /v1 (preflights need no worker)."""
+    """A daphne that lets APP call /v1 (preflights need no worker); one for the module's tests."""
     port = stack.free_port()
     env = stack.child_env(DATABASE_URL=_test_database_url(), REDIS_URL=settings.REDIS_URL, CEILING_CORS_ORIGINS=APP)
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)

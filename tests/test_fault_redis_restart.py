@@ -23,7 +23,13 @@ CLIENTS = 6
 
 
 @pytest.fixture
-def restart_stack(django_db_setup):
+def restart_stack(fault_stack):
+    """daphne and one worker on a private redis-server: the fault modules' stack (tests/conftest.py; a
+    start is a minute on 2 cores) where it is so, else a stack of its own."""
+    if fault_stack.daphne.poll() is None and [worker.poll() for worker in fault_stack.workers] == [None]:
+        fault_stack.forget_reference_rows()
+        yield fault_stack
+        return
     private_redis = PrivateRedis.start()
     private = start_private_stack("redis-restart", private_redis)
     try:

@@ -21,10 +21,21 @@ pytestmark = pytest.mark.django_db(transaction=True)
 LONG_ANSWER = "Write a long story about a lighthouse keeper and a storm, with many details."
 
 
+def live_workers(private) -> list[int]:
+    """The numbers of the private stack's workers that are still running."""
+    return [number for number, worker in enumerate(private.workers) if worker.poll() is None]
+
+
 @pytest.fixture
-def worker_stack(django_db_setup):
+def worker_stack(fault_stack):
+    """daphne and its one first worker, both running: the fault modules' stack (tests/conftest.py; a
+    start is a minute on 2 cores) where it is so, else a stack of its own."""
+    if fault_stack.daphne.poll() is None and len(fault_stack.workers) == 1 and live_workers(fault_stack) == [0]:
+        fault_stack.forget_reference_rows()
+        yield fault_stack
+        return
     private_redis = PrivateRedis.start()
-    private = start_private_stack("killed", private_redis)
+    private = start_private_stack("killed-again", private_redis)
     try:
         yield private
     finally:
@@ -82,6 +93,7 @@ def test_a_worker_killed_mid_stream_fails_the_request_with_the_tokens_streamed(w
 
     # A new worker takes new requests; the killed task is not handed to it (acked on receipt).
     worker_stack.start_worker()
+    assert live_workers(worker_stack) == [1]
     again = asyncio.run(chat(worker_stack.live, cookie, chat_frame("Say hello.", 8)))
     assert again[-1]["type"] == "done", again
     time.sleep(1)
@@ -98,15 +110,14 @@ def test_a_worker_killed_mid_stream_fails_the_request_with_the_tokens_streamed(w
 
 
 @pytest.fixture
-def two_worker_stack(django_db_setup):
-    private_redis = PrivateRedis.start()
-    private = start_private_stack("swept", private_redis)
-    try:
-        private.start_worker()
-        yield private
-    finally:
-        private.stop()
-        private_redis.stop()
+def two_worker_stack(fault_stack):
+    """daphne and two running workers: the fault modules' stack (tests/conftest.py), with workers added
+    until two run (after the test above, its replacement worker and one more)."""
+    assert fault_stack.daphne.poll() is None, "daphne was killed by an earlier test"
+    while len(live_workers(fault_stack)) < 2:
+        fault_stack.start_worker()
+    fault_stack.forget_reference_rows()
+    return fault_stack
 
 
 async def stream_then_kill_its_worker_and_the_web(private, cookie: str, after_tokens: int):
@@ -165,5 +176,5 @@ def test_a_dead_workers_request_nobody_waits_for_is_settled_within_30_s_with_its
     pushed = [raw for key in client.scan_iter(match="ceiling:inbox:*") for raw in client.lrange(key, 0, -1)]
     lost = [f for raw in pushed for f in json.loads(raw) if f["request_id"] == request_id and f.get("code") == "worker_lost"]
     assert lost and f"after {row.completion_tokens} tokens" in lost[0]["message"]
-    survivor = 1 - two_worker_stack.workers.index(killed)
+    [survivor] = [number for number in live_workers(two_worker_stack) if two_worker_stack.workers[number] is not killed]
     assert request_id in two_worker_stack.worker_log(survivor) and "is gone" in two_worker_stack.worker_log(survivor)

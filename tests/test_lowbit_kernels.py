@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from inference.engine import Engine, kernels
+from inference.engine import kernels
 from inference.engine.patches.fusion import fuse_linears
 from inference.engine.patches.quantization import (
     OWN_KERNELS,
@@ -33,9 +32,16 @@ from tests.test_q4 import TinyDecoder, on_grid
 REPOSITORY = Path(__file__).resolve().parent.parent
 
 
+def engine_kernel_folder() -> Path:
+    """Where the engines of this checkout keep the library (engine_config_from_settings)."""
+    return engine_config_from_settings(model_dir()).kernel_cache_dir
+
+
 @pytest.fixture(scope="module", autouse=True)
-def built(tmp_path_factory):
-    failure = kernels.load(tmp_path_factory.mktemp("kernels"))
+def built():
+    # The engines' own library (built once per machine; a compile is a minute on 2 cores): these
+    # tests check the kernels every engine here runs on. The build itself is checked below.
+    failure = kernels.load(engine_kernel_folder())
     assert failure is None, failure
 
 
@@ -150,14 +156,17 @@ def test_torch_compile_traces_through_the_kernels():
 
 
 def test_a_built_library_is_reused_and_a_failed_build_says_why(tmp_path, monkeypatch):
-    first = kernels.build(tmp_path)
+    # The engines' folder: built already if an engine loaded here before (else built now); a
+    # compile into an empty folder, and its temporary file, are checked on the narrower paths below.
+    folder = engine_kernel_folder()
+    first = kernels.build(folder)
     built_at = first.stat().st_mtime_ns
-    assert kernels.build(tmp_path) == first and first.stat().st_mtime_ns == built_at
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind
+    assert kernels.build(folder) == first and first.stat().st_mtime_ns == built_at
+    assert not list(folder.glob(f".{first.name}.*"))  # no temporary file of its build left behind
     monkeypatch.setenv("CXX", "false")  # a "compiler" that fails: another fingerprint, so a build is tried
     with pytest.raises(kernels.KernelBuildError, match="false failed"):
         kernels.build(tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]
+    assert not list(tmp_path.iterdir())  # nothing left of the failed build
 
 
 # The paths lowbit.cpp has besides the one -march=native takes here: AVX-512 VNNI, AVX2, plain loops.
@@ -172,6 +181,7 @@ def test_the_narrower_instruction_paths_compute_the_same_products(path, tmp_path
     if path == "avx2" and not ("avx512f" in kernels._cpu_flags() and "avx2" in kernels._cpu_flags()):
         pytest.skip("the native build is the AVX2 path on this CPU (no AVX-512), or it has no AVX2")
     library = kernels.build(tmp_path, NARROWER_PATHS[path])
+    assert [p.name for p in tmp_path.iterdir()] == [library.name]  # compiled, renamed, no temporary file left
     script = (
         "import django; django.setup()\n"
         "import torch\n"
@@ -222,14 +232,11 @@ def test_an_engine_where_the_kernels_cannot_build_serves_q4_on_torchs(tmp_path):
     assert "kernels torch {'torch'} torch" in finished.stdout
 
 
-@pytest.fixture(scope="module")
-def own_kernels_engine():
-    """The real model's q4 variant on the own kernels, loaded once for this module's tests (not started).
-    No skinny-route measurement: these tests route every step themselves."""
-    engine = Engine(replace(engine_config_from_settings(model_dir()), num_blocks=64, quantization=Q4, own_kernels=True,
-                            skinny_linear=False))
-    engine.load(progress=lambda _: None)
-    return engine
+@pytest.fixture
+def own_kernels_engine(q4_engine):
+    """The real model's q4 variant on the own kernels, loaded once for the session (tests/conftest.py;
+    not started). These tests route every step themselves."""
+    return q4_engine
 
 
 def test_the_real_model_answers_on_the_own_kernels(own_kernels_engine):

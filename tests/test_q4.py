@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from torch import nn
 
-from inference.engine import Engine
 from inference.engine.config import Sampling
 from inference.engine.patches.linears import skinny_linear_forward, use_skinny_linears
 from inference.engine.patches.quantization import (
@@ -26,7 +23,6 @@ from inference.engine.patches.quantization import (
     quantize_model,
     weights_memory_bytes,
 )
-from inference.engines import engine_config_from_settings, model_dir
 from tests.questions import ROBUST_ANSWER, ROBUST_QUESTION
 
 
@@ -145,9 +141,8 @@ def test_the_measurement_routes_an_unbroken_run_of_winning_buckets():
     assert max_rows == 0 or winners[: Q4_ROW_BUCKETS.index(max_rows) + 1] == list(Q4_ROW_BUCKETS[: Q4_ROW_BUCKETS.index(max_rows) + 1])
 
 
-def test_the_real_model_serves_its_own_4_bit_codes_in_the_engine():
-    engine = Engine(replace(engine_config_from_settings(model_dir()), num_blocks=64, quantization=Q4))
-    engine.load(progress=lambda _: None)
+def test_the_real_model_serves_its_own_4_bit_codes_in_the_engine(q4_engine):
+    engine = q4_engine  # loaded once for the session (tests/conftest.py), not started
     packed = [m for m in engine.model.modules() if hasattr(m, "q4_weight")]
     # 30 decoder layers × (q, k, v, o, gate, up, down); the tied lm_head gets an int8 copy instead.
     assert len(packed) == 210 and mode_of(engine.model) == Q4

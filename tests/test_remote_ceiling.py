@@ -40,23 +40,19 @@ from budgets.models import (
     TokenLog,
 )
 from project import stack as processes
-from tests.conftest import start_stack, wait_for
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 MODEL = "remote-model"
 PRICE_PER_MILLION = 10_000_000  # $10 per million tokens, in and out
-QUEUE = "inference-remote-ceiling"
 
 
 @pytest.fixture(scope="module")
-def ceiling_stack(live_stack, redis_db):
-    started_stack, started = start_stack(
-        redis_db, "remote-ceiling", "test-remote-ceiling@%h", queue=QUEUE,
-        CEILING_MAX_INPUT_TOKENS="200000", CEILING_MAX_FRAME_BYTES=str(1024 * 1024),
-    )
-    yield started_stack
-    processes.stop_all(started)
+def ceiling_stack(live_stack, shared_stack):
+    """A stack whose limits let 200-tool lists in (CEILING_MAX_INPUT_TOKENS, CEILING_MAX_FRAME_BYTES):
+    the shared one has them (tests/conftest.py)."""
+    return shared_stack
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,11 +35,12 @@ METRICS_TOKEN = "a-long-random-scrape-token-for-failover"
 
 class Remote:
     """One loopback server; `behaviour` is "answer", an HTTP status such as 503, "midway" (fails after
-    two pieces of text) or "silent" (accepts, then sends nothing for 10 s)."""
+    two pieces of text) or "silent" (accepts, then sends nothing for 10 s, or until it is closed)."""
 
     def __init__(self, behaviour: str | int = "answer") -> None:
         self.behaviour = behaviour
         self.received: list[dict] = []
+        self.closing = threading.Event()
         remote = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -60,7 +60,8 @@ class Remote:
                 self.end_headers()
                 if remote.behaviour == "silent":
                     self.wfile.flush()
-                    time.sleep(10)
+                    # Closing joins the handlers' threads: a silent one ends then, not 10 s on.
+                    remote.closing.wait(10)
                     return
                 pieces = ANSWER[:2] if remote.behaviour == "midway" else ANSWER
                 for piece in pieces:
@@ -85,6 +86,7 @@ class Remote:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
 
     def close(self) -> None:
+        self.closing.set()
         self.server.shutdown()
         self.server.server_close()
 

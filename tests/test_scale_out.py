@@ -7,18 +7,17 @@ import asyncio
 import pytest
 
 from budgets.models import Quota, TokenLog
-from project import stack as processes
-from tests.conftest import engine_stats, session_cookie, start_stack
+from tests.conftest import engine_stats, session_cookie
 from tests.wsclient import chat, chat_frame
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def second_stack(live_stack, redis_db):
-    second, started = start_stack(redis_db, "second", "test-inference-2@%h")
-    yield second
-    processes.stop_all(started)
+def second_stack(live_stack, shared_stack):
+    """The second web server and worker: the shared stack's (tests/conftest.py), on the same Redis and
+    database as live_stack's, its chats on a queue of its own."""
+    return shared_stack
 
 
 def test_a_daily_cap_holds_across_two_web_servers_and_two_workers(live_stack, second_stack, redis_db, alice, chat_feature):

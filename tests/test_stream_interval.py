@@ -9,23 +9,18 @@ import pytest
 
 from budgets.models import TokenLog
 from inference.models import Transcript
-from project import stack as processes
-from tests.conftest import session_cookie, start_stack
+from tests.conftest import SHARED_STREAM_INTERVAL as INTERVAL
+from tests.conftest import session_cookie
 from tests.wsclient import chat, chat_frame
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-INTERVAL = 4
-
 
 @pytest.fixture
-def interval_stack(live_stack, redis_db):
-    # A queue of its own, so that only this worker (streaming four tokens a frame) takes its chats.
-    started_stack, started = start_stack(
-        redis_db, "interval", "test-interval@%h", queue="inference-interval", CEILING_STREAM_INTERVAL=str(INTERVAL)
-    )
-    yield started_stack
-    processes.stop_all(started)
+def interval_stack(live_stack, shared_stack):
+    # The shared stack streams four tokens a frame (CEILING_STREAM_INTERVAL), on a queue of its own:
+    # only its worker takes its chats (tests/conftest.py).
+    return shared_stack
 
 
 def test_a_stream_interval_sends_every_fourth_token_and_loses_nothing(interval_stack, alice, chat_feature):

@@ -2,29 +2,22 @@
 
 The stack's daphne and worker are processes of their own, so their spans are gathered the way an
 operator's collector gathers them: both export OTLP over HTTP (the production exporter, configured
-only by OTEL_EXPORTER_OTLP_ENDPOINT) to a small OTLP receiver in this test, which decodes each
-export with OpenTelemetry's own protobuf classes. In-process behaviour (the sampler, the helpers,
-spans drawn from measured times) is checked with OpenTelemetry's InMemorySpanExporter.
+only by OTEL_EXPORTER_OTLP_ENDPOINT) to a small OTLP receiver in the test process (tests/otlp.py),
+which decodes each export with OpenTelemetry's own protobuf classes. In-process behaviour (the
+sampler, the helpers, spans drawn from measured times) is checked with OpenTelemetry's
+InMemorySpanExporter.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import gzip
 import subprocess
 import sys
-import threading
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from django.conf import settings
 from openai import OpenAI
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
@@ -33,82 +26,18 @@ from accounts.actions import do_create_api_key
 from budgets.models import Quota, TokenLog
 from project import stack as processes
 from project import tracing
-from tests.conftest import session_cookie, start_stack, wait_for
+from tests.conftest import session_cookie, wait_for
+from tests.otlp import ReceivedSpan, Receiver
 from tests.wsclient import chat, chat_frame, chat_socket, next_frame, send
 
-QUEUE = "inference-tracing"
 STAGES = {"chat", "guard", "queue", "prefill", "decode", "settle"}
 
 
-# --- an OTLP/HTTP receiver ------------------------------------------------------------------------
-
-
-@dataclass
-class ReceivedSpan:
-    name: str
-    trace_id: str
-    span_id: str
-    parent_id: str  # "" for a trace's root
-    kind: int
-    start_ns: int
-    end_ns: int
-    attributes: dict = field(default_factory=dict)
-    service: str = ""
-
-
-def _value(any_value):
-    kind = any_value.WhichOneof("value")
-    return getattr(any_value, kind) if kind else None
-
-
-class Receiver(BaseHTTPRequestHandler):
-    spans: list[ReceivedSpan] = []
-    lock = threading.Lock()
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        if self.headers.get("Content-Encoding") == "gzip":
-            body = gzip.decompress(body)
-        received = ExportTraceServiceRequest.FromString(body)
-        with self.lock:
-            for resource_spans in received.resource_spans:
-                service = {kv.key: _value(kv.value) for kv in resource_spans.resource.attributes}.get("service.name", "")
-                for scope_spans in resource_spans.scope_spans:
-                    for span in scope_spans.spans:
-                        self.spans.append(ReceivedSpan(
-                            span.name, span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(), span.kind,
-                            span.start_time_unix_nano, span.end_time_unix_nano,
-                            {kv.key: _value(kv.value) for kv in span.attributes}, service,
-                        ))
-        answer = ExportTraceServiceResponse().SerializeToString()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, *args) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
-def receiver():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def traced_stack(django_db_setup, redis_db, receiver):
-    """daphne and a worker with tracing switched on the way an operator does: an OTLP endpoint."""
-    started_stack, started = start_stack(
-        redis_db, "tracing", "test-tracing@%h", queue=QUEUE,
-        OTEL_EXPORTER_OTLP_ENDPOINT=receiver, OTEL_SERVICE_NAME="ceiling-test", OTEL_BSP_SCHEDULE_DELAY="100",
-    )
-    yield started_stack
-    processes.stop_all(started)
+def traced_stack(shared_stack):
+    """daphne and a worker with tracing switched on the way an operator does: an OTLP endpoint, the
+    session's receiver (tests/otlp.py). The shared stack has it from its start (tests/conftest.py)."""
+    return shared_stack
 
 
 def spans_of(request_id: str) -> list[ReceivedSpan]:

@@ -124,16 +124,9 @@ def test_batched_requests_through_the_bf16_copy_decode_exactly_as_greedy_alone(w
         assert answers[f"w{index}"] == greedy(wide_model, prompt, 16)
 
 
-def test_an_engine_asked_for_wide_steps_measures_them_at_load_and_counts_the_copy():
-    from dataclasses import replace
-
-    from inference.engine import Engine
-    from inference.engines import engine_config_from_settings
-
-    config = replace(engine_config_from_settings(model_dir()), num_blocks=64, quantization=Q4, q4_wide_bf16=True)
-    engine = Engine(config)
-    said: list[str] = []
-    engine.load(progress=said.append)
+def test_an_engine_asked_for_wide_steps_measures_them_at_load_and_counts_the_copy(q4_engine_load):
+    engine, said = q4_engine_load.engine, q4_engine_load.said  # loaded once for the session (tests/conftest.py)
+    assert engine.config.q4_wide_bf16
     assert any(line.startswith("Wide steps, their route vs a bf16 copy") for line in said)
     copies = [m for m in engine.model.modules() if hasattr(m, "bf16_weight")]
     assert bool(copies) == (engine.wide_min_rows != NEVER)
