@@ -65,7 +65,8 @@ def qwen2():  # q, k and v carry biases
 def prefilled(runner: ModelRunner, lengths: list[int], seed: int = 0) -> list[Sequence]:
     """Requests whose prompts are in the cache (prefilled eagerly), each on blocks scattered over the
     cache as they come back from the free list, each with its first token picked."""
-    shuffled = random.Random(seed).sample(range(BLOCKS), BLOCKS)
+    blocks = runner.k_cache[0].shape[0] // runner.page_size - 1  # less the compiled steps' scratch block
+    shuffled = random.Random(seed).sample(range(blocks), blocks)
     seqs = []
     for index, length in enumerate(lengths):
         seq = Sequence(f"r{index}", [(31 * index + 7 * i) % 300 + 5 for i in range(length)], 64, frozenset())
@@ -98,10 +99,32 @@ def test_a_stacked_step_on_an_fp16_cache_computes_what_the_eager_step_computes(l
     assert_stacked_steps_match_eager(llama, lengths, kv_dtype=torch.float16)
 
 
-def assert_stacked_steps_match_eager(model: nn.Module, lengths: list[int], kv_dtype: torch.dtype = torch.float32) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("lengths", [[300], [400, 1], [260, 90, 3]])
+def test_long_rows_attended_in_parts_compute_what_the_eager_step_computes(lengths, kv_dtype, llama, two_threads):
+    # A step of few rows past 256 positions cuts each row's attention into parts, combined after
+    # (lowbit.cpp's attention_parts): [300] in 2, [400, 1] in 3, so the short row's last part is
+    # empty; [260, 90, 3] in 2, each part of the short rows a few positions.
+    assert_stacked_steps_match_eager(llama, lengths, kv_dtype=kv_dtype, blocks=LONG_BLOCKS)
+
+
+LONG_BLOCKS = 72  # 576 slots: a row of 400 positions and its three steps beside shorter ones
+
+
+@pytest.fixture
+def two_threads():
+    """The parts are cut only where two threads or more share a step (every CI machine has 2 cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    yield
+    torch.set_num_threads(threads)
+
+
+def assert_stacked_steps_match_eager(model: nn.Module, lengths: list[int], kv_dtype: torch.dtype = torch.float32,
+                                     blocks: int = BLOCKS) -> None:
     """Three decode steps of requests of these prompt lengths, eager and stacked from the same cache.
     (tests/test_lowbit_kernels.py reruns it on the kernels' narrower instruction paths.)"""
-    runner = ModelRunner(model, BLOCKS, PAGE, paged_attention=True, kv_dtype=kv_dtype)
+    runner = ModelRunner(model, blocks, PAGE, paged_attention=True, kv_dtype=kv_dtype)
     assert runner.k_cache[0].dtype == kv_dtype
     assert stack.unavailable_reason(runner) is None
     stacked = stack.StackedDecode(runner)

@@ -200,6 +200,9 @@ def test_the_narrower_instruction_paths_compute_the_same_products(path, tmp_path
         "model = stacked.four_bit_model(lambda: LlamaForCausalLM(LlamaConfig(**stacked.SHAPE)))\n"
         "stacked.assert_stacked_steps_match_eager(model, [5, 40, 17])\n"
         "stacked.assert_stacked_steps_match_eager(model, [5, 40, 17], kv_dtype=torch.float16)\n"
+        "torch.set_num_threads(max(2, torch.get_num_threads()))\n"
+        "stacked.assert_stacked_steps_match_eager(model, [400, 1], blocks=stacked.LONG_BLOCKS)\n"
+        "stacked.assert_stacked_steps_match_eager(model, [300], kv_dtype=torch.float16, blocks=stacked.LONG_BLOCKS)\n"
         "print('all equal')\n"
     )
     finished = subprocess.run([sys.executable, "-c", script], cwd=REPOSITORY, capture_output=True, text=True,

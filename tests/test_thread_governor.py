@@ -18,10 +18,10 @@ class Host:
         return ThreadGovernor(count, clock=lambda: self.now, set_threads=self.threads.append)
 
 
-def steps(governor: ThreadGovernor, host: Host, times_ms: list[float], rows: int = 1) -> None:
+def steps(governor: ThreadGovernor, host: Host, times_ms: list[float], rows: int = 1, positions: int = 0) -> None:
     for elapsed in times_ms:
         governor.before_step()
-        governor.after_decode_step(rows, elapsed)
+        governor.after_decode_step(rows, elapsed, positions)
         host.now += elapsed / 1000
 
 
@@ -29,7 +29,7 @@ def test_steps_near_their_best_keep_every_thread():
     host = Host()
     governor = host.governor()
     steps(governor, host, [5.0, 5.2, 9.0, 5.1, 11.0, 5.0] * 5)  # one step in three at ~2× its best: noise
-    assert host.threads == [] and governor.backoffs == 0 and governor.best_ms == {1: 5.0}
+    assert host.threads == [] and governor.backoffs == 0 and governor.best_ms == {(1, 0): 5.0}
 
 
 def test_a_neighbour_holding_a_core_drops_the_loop_to_one_thread_then_all_are_tried_again():
@@ -50,7 +50,22 @@ def test_the_best_time_is_kept_per_row_count():
     governor = host.governor()
     steps(governor, host, [5.0, 5.0], rows=1)
     steps(governor, host, [20.0, 21.0, 20.5, 20.0], rows=8)  # 4× a lone row's time, but 8 rows' own best
-    assert governor.backoffs == 0 and governor.best_ms == {1: 5.0, 8: 20.0}
+    assert governor.backoffs == 0 and governor.best_ms == {(1, 0): 5.0, (8, 0): 20.0}
+
+
+def test_a_long_context_is_not_read_as_a_neighbour():
+    # A lone q4 row at 2,000 positions of an fp32 cache steps ~3× slower than at position 0, with
+    # nobody else on the machine: compared by rows alone, that dropped the loop to one thread.
+    host = Host()
+    governor = host.governor()
+    steps(governor, host, [5.0] * 4, positions=10)
+    steps(governor, host, [15.0] * 8, positions=2000)
+    assert governor.backoffs == 0 and host.threads == []
+    assert governor.best_ms == {(1, 0): 5.0, (1, 2000 // threads.POSITIONS_PER_BUCKET): 15.0}
+    steps(governor, host, [40.0, 45.0], positions=2010)  # and 2.5× of that context's own best still is one
+    assert governor.backoffs == 1 and host.threads == []
+    steps(governor, host, [15.0], positions=2020)
+    assert host.threads == [1]
 
 
 def test_a_one_thread_engine_has_nothing_to_drop():

@@ -310,6 +310,7 @@ class WorkerSampler(threading.Thread):
         self.running: list[int] = []
         self.kv_blocks: list[int] = []
         self.kv_blocks_total = 0
+        self.backoffs: list[int] = []  # the engine's count of steps dropped to one thread (owned/threads.py)
         self._stopped = threading.Event()
 
     def run(self) -> None:
@@ -321,13 +322,16 @@ class WorkerSampler(threading.Thread):
                     self.running.append(stats["running"])
                     self.kv_blocks.append(stats["kv_blocks_used"])
                     self.kv_blocks_total = stats["kv_blocks_total"]
+                    self.backoffs.append(stats.get("thread_backoffs", 0))
 
     def stop(self) -> None:
         self._stopped.set()
         self.join()
 
     def figures(self) -> dict:
-        return batch_figures(self.running, self.kv_blocks, self.kv_blocks_total)
+        # Back-offs during the run: another process (daphne, the clients) held a core through steps.
+        backoffs = self.backoffs[-1] - self.backoffs[0] if self.backoffs else 0
+        return batch_figures(self.running, self.kv_blocks, self.kv_blocks_total) | {"thread_backoffs": backoffs}
 
 
 async def replay_over_websockets(url: str, origin: str, cookie: str,

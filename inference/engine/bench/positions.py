@@ -23,6 +23,9 @@ class PositionRun:
     kv_dtype: str
     ms_per_token: dict[int, list[float]] = field(default_factory=dict)  # position → one figure per round
     decode_path: str = ""  # how decode steps ran: the stack's report (used, slower, unavailable) and why
+    # Times the engine dropped to one thread, thinking another process held a core (owned/threads.py):
+    # a step it ran on one thread is no measure of the cache's cost.
+    thread_backoffs: int = 0
 
     def medians(self) -> dict[int, float]:
         return {position: round(statistics.median(runs), 2) for position, runs in self.ms_per_token.items()}
@@ -37,6 +40,7 @@ class PositionRun:
         return {
             "kv_dtype": self.kv_dtype,
             "decode_path": self.decode_path,
+            "thread_backoffs": self.thread_backoffs,
             "ms_per_token_median": {str(p): v for p, v in self.medians().items()},
             "ratio_to_first": {str(p): v for p, v in self.ratios().items()},
             "ms_per_token_runs": {str(p): [round(v, 2) for v in runs] for p, runs in self.ms_per_token.items()},
@@ -74,6 +78,8 @@ def measure_positions(model_dir: Path, kv_dtypes: list[str], positions: tuple[in
                     ms = lone_ms_per_token(engines[kv_dtype], context_prompt(vocab, position), tokens)
                     runs[kv_dtype].ms_per_token.setdefault(position, []).append(ms)
                     progress(f"round {round_number + 1}, {kv_dtype} cache, position {position}: {ms:.2f} ms/token")
+        for kv_dtype, engine in engines.items():
+            runs[kv_dtype].thread_backoffs = engine.stats().thread_backoffs
         return [runs[kv_dtype] for kv_dtype in kv_dtypes]
     finally:
         for engine in engines.values():

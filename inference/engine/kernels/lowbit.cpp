@@ -533,6 +533,23 @@ inline void store_kv(at::Half* target, const float* source, int64_t dim) {
   for (; i < dim; ++i) target[i] = at::Half(source[i]);
 }
 
+// How far ahead (in positions) attention asks for the keys and values it will read. The cache's
+// slots come in pages scattered over memory and a KV head is a third of each slot (SmolLM2), a
+// pattern the hardware's own prefetch follows poorly: a lone row's attention over 2,000 positions
+// of 30 layers read ~9 GB/s a thread where a plain sum reads 25 (2-core AMD EPYC, Zen 4); asking
+// 16 positions ahead took 9-12% off that step (the figures at attend_in_parts).
+#ifndef ATTENTION_PREFETCH
+#define ATTENTION_PREFETCH 16
+#endif
+constexpr int64_t kAttentionPrefetch = ATTENTION_PREFETCH;
+
+// Asks for `elements` values from p on into the cache (0: nothing).
+template <typename T>
+inline void prefetch_values(const T* p, int64_t elements) {
+  for (int64_t byte = 0; byte < elements * static_cast<int64_t>(sizeof(T)); byte += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + byte);
+}
+
 #ifdef CEILING_AVX512
 // e^x for 16 floats; 2^n by vscalefps.
 inline __m512 exp_ps(__m512 x) {
@@ -552,14 +569,52 @@ inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// The horizontal sums of 16 vectors as one: lane j = Σ of v[j]'s lanes. A transpose folded into
+// the additions, 45 instructions where 16 separate horizontal sums take ~130: per position and
+// head a score is otherwise one horizontal sum after its 4 products, and at a long context those
+// sums were most of the attention's time.
+inline __m512 sums_of_16(const __m512 (&v)[16]) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i]'s two halves summed in lanes 0 and 2, v[2i+1]'s in 1 and 3
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the sums of v[4i] … v[4i+3] over that lane
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // then over the 4 lanes: 128-bit lane k of the result holds v[4k] … v[4k+3]'s totals
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // attend_one_kv_head for heads of 64 and G query heads per KV head, everything in registers.
 template <int G, typename T>
 void attend_64(const float* q, const T* keys, const T* values, int64_t stride, const int64_t* slots,
-               int64_t seen, float scale, float* scores, int64_t ld_scores, float* out) {
+               int64_t seen, float scale, float* scores, int64_t ld_scores, float* out, float* stats,
+               int64_t prefetch) {
   __m512 qv[G][4];
   for (int64_t h = 0; h < G; ++h)
     for (int i = 0; i < 4; ++i) qv[h][i] = _mm512_mul_ps(_mm512_loadu_ps(q + h * 64 + i * 16), _mm512_set1_ps(scale));
-  for (int64_t t = 0; t < seen; ++t) {
+  int64_t tiled = 0;
+  for (; tiled + 16 <= seen; tiled += 16) {  // 16 positions at a time, each head's scores summed together
+    const T* tile[16];
+    for (int j = 0; j < 16; ++j) tile[j] = keys + slots[tiled + j] * stride;
+    for (int64_t j = tiled + kAttentionPrefetch; j < std::min(seen, tiled + kAttentionPrefetch + 16); ++j)
+      prefetch_values(keys + slots[j] * stride, prefetch);
+    for (int64_t h = 0; h < G; ++h) {
+      __m512 dots[16];
+      for (int j = 0; j < 16; ++j) {
+        __m512 a = _mm512_mul_ps(qv[h][0], load16(tile[j]));
+        a = _mm512_fmadd_ps(qv[h][1], load16(tile[j] + 16), a);
+        a = _mm512_fmadd_ps(qv[h][2], load16(tile[j] + 32), a);
+        dots[j] = _mm512_fmadd_ps(qv[h][3], load16(tile[j] + 48), a);
+      }
+      _mm512_storeu_ps(scores + h * ld_scores + tiled, sums_of_16(dots));
+    }
+  }
+  for (int64_t t = tiled; t < seen; ++t) {
     const T* key = keys + slots[t] * stride;
     const __m512 k0 = load16(key), k1 = load16(key + 16);
     const __m512 k2 = load16(key + 32), k3 = load16(key + 48);
@@ -587,12 +642,14 @@ void attend_64(const float* q, const T* keys, const T* values, int64_t stride, c
       _mm512_mask_storeu_ps(score + t, live, e);
       sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(live, e));
     }
-    const float inverse = 1.f / _mm512_reduce_add_ps(sums);
+    const float sum = _mm512_reduce_add_ps(sums), inverse = 1.f / sum;
+    if (stats != nullptr) stats[h * 2] = largest, stats[h * 2 + 1] = sum;
     for (t = 0; t < seen; ++t) score[t] *= inverse;
     for (int i = 0; i < 4; ++i) total[h][i] = _mm512_setzero_ps();
   }
   for (int64_t t = 0; t < seen; ++t) {
     const T* value = values + slots[t] * stride;
+    if (t + kAttentionPrefetch < seen) prefetch_values(values + slots[t + kAttentionPrefetch] * stride, prefetch);
     const __m512 v0 = load16(value), v1 = load16(value + 16);
     const __m512 v2 = load16(value + 32), v3 = load16(value + 48);
     for (int64_t h = 0; h < G; ++h) {
@@ -628,11 +685,13 @@ inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(
 // 8 vectors, too many to keep G of them in 16 registers, so the (scaled) queries are read from L1.
 template <int G, typename T>
 void attend_64(const float* q, const T* keys, const T* values, int64_t stride, const int64_t* slots,
-               int64_t seen, float scale, float* scores, int64_t ld_scores, float* out) {
+               int64_t seen, float scale, float* scores, int64_t ld_scores, float* out, float* stats,
+               int64_t prefetch) {
   alignas(32) float scaled[G * 64];
   for (int64_t i = 0; i < G * 64; ++i) scaled[i] = q[i] * scale;
   for (int64_t t = 0; t < seen; ++t) {
     const T* key = keys + slots[t] * stride;
+    if (t + kAttentionPrefetch < seen) prefetch_values(keys + slots[t + kAttentionPrefetch] * stride, prefetch);
     __m256 k[8];
     for (int i = 0; i < 8; ++i) k[i] = load8(key + i * 8);
     for (int64_t h = 0; h < G; ++h) {
@@ -665,10 +724,13 @@ void attend_64(const float* q, const T* keys, const T* values, int64_t stride, c
     float total = reduce_add(sums);
     for (; t < seen; ++t) total += (score[t] = std::exp(score[t] - largest));
     const float inverse = 1.f / total;
+    if (stats != nullptr) stats[h * 2] = largest, stats[h * 2 + 1] = total;
     __m256 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
     for (t = 0; t < seen; ++t) {
       const T* value = values + slots[t] * stride;
+      if (h == 0 && t + kAttentionPrefetch < seen)  // the next heads find them in the cache
+        prefetch_values(values + slots[t + kAttentionPrefetch] * stride, prefetch);
       const __m256 w = _mm256_set1_ps(score[t] * inverse);
       for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, load8(value + i * 8), acc[i]);
     }
@@ -677,20 +739,24 @@ void attend_64(const float* q, const T* keys, const T* values, int64_t stride, c
 }
 #endif
 
-// The `group` query heads that share one KV head, over one row's `seen` positions: scores (scaled
-// dot products), their softmax, and the weighted sum of the values into out[group, dim]. `keys`
-// and `values` point at this KV head's first dimension of slot 0; a slot's row is `stride` floats.
+// The `group` query heads that share one KV head, over one row's `seen` positions (seen ≥ 1):
+// scores (scaled dot products), their softmax, and the weighted sum of the values into
+// out[group, dim]. `keys` and `values` point at this KV head's first dimension of slot 0; a slot's
+// row is `stride` floats. With `stats`, each head's largest score and Σ e^(score - largest) go to
+// stats[head, 2], so that attention over a part of the positions can be combined with the rest
+// (combine_parts). `prefetch`: how many values of each slot, from this head's first, to ask for
+// ahead of reading them (this head's dim; 0 for none).
 template <typename T>
 void attend_one_kv_head(const float* q, const T* keys, const T* values, int64_t stride, const int64_t* slots,
                         int64_t seen, int64_t group, int64_t dim, float scale, float* scores, int64_t ld_scores,
-                        float* out) {
+                        float* out, float* stats = nullptr, int64_t prefetch = 0) {
 #if defined(CEILING_AVX512) || defined(CEILING_AVX2)
   if (dim == 64 && group <= 4) {  // SmolLM2's and most small models' heads
     switch (group) {
-      case 1: return attend_64<1, T>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
-      case 2: return attend_64<2, T>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
-      case 3: return attend_64<3, T>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
-      default: return attend_64<4, T>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out);
+      case 1: return attend_64<1, T>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out, stats, prefetch);
+      case 2: return attend_64<2, T>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out, stats, prefetch);
+      case 3: return attend_64<3, T>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out, stats, prefetch);
+      default: return attend_64<4, T>(q, keys, values, stride, slots, seen, scale, scores, ld_scores, out, stats, prefetch);
     }
   }
 #endif
@@ -710,6 +776,7 @@ void attend_one_kv_head(const float* q, const T* keys, const T* values, int64_t 
     float sum = 0.f;
     for (int64_t t = 0; t < seen; ++t) sum += (score[t] = std::exp(score[t] - largest));
     const float inverse = 1.f / sum;
+    if (stats != nullptr) stats[h * 2] = largest, stats[h * 2 + 1] = sum;
     float* total = out + h * dim;
     std::fill_n(total, dim, 0.f);
     for (int64_t t = 0; t < seen; ++t) {
@@ -719,6 +786,46 @@ void attend_one_kv_head(const float* q, const T* keys, const T* values, int64_t 
       for (int64_t d = 0; d < dim; ++d) total[d] += weight * as_float(value[d]);
     }
   }
+}
+
+// Attention over a row's positions cut into `parts` (as flash-decoding does): each part's output
+// outs[part, group, dim], normalized over its own positions, and its stats[part, group, 2] (largest
+// score, Σ e^(score - largest); a part with no positions has Σ 0) → the whole's into result[group,
+// dim]. A part weighs its Σ rescaled to the largest score of all parts.
+inline void combine_parts(const float* outs, const float* stats, int64_t parts, int64_t group, int64_t dim,
+                          float* result) {
+  for (int64_t h = 0; h < group; ++h) {
+    float largest = -INFINITY;
+    for (int64_t p = 0; p < parts; ++p)
+      if (stats[(p * group + h) * 2 + 1] > 0.f) largest = std::max(largest, stats[(p * group + h) * 2]);
+    float* total = result + h * dim;
+    std::fill_n(total, dim, 0.f);
+    float weights = 0.f;
+    for (int64_t p = 0; p < parts; ++p) {
+      const float sum = stats[(p * group + h) * 2 + 1];
+      if (sum == 0.f) continue;
+      const float weight = sum * std::exp(stats[(p * group + h) * 2] - largest);
+      weights += weight;
+      const float* part = outs + (p * group + h) * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) total[d] += weight * part[d];
+    }
+    const float inverse = 1.f / weights;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) total[d] *= inverse;
+  }
+}
+
+// Parts of each row's positions in a decode step's attention: 128 to 255 positions each (a part's
+// keys and values, ~100-400 KB, stay in a core's L2 while its KV heads are read one after another),
+// once rows are few. A lone row had one task per KV head (3 for SmolLM2), which 2 threads share 2:1,
+// and at a long context attention is most of its step. Steps of many rows have tasks enough, and
+// the per-thread combine of the parts (combine_parts) would grow with their rows: not cut.
+constexpr int64_t kMinPart = 128;
+constexpr int64_t kTasksPerThread = 8;
+inline int64_t attention_parts(int64_t rows, int64_t kv_heads, int64_t longest, int threads) {
+  if (rows * kv_heads >= kTasksPerThread * std::max(threads, 1)) return 1;
+  return std::max<int64_t>(1, longest / kMinPart);
 }
 
 #ifndef ATTENTION_GRAIN
@@ -745,7 +852,7 @@ void attend_rows(const float* query, int64_t q_row_stride, const T* keys, const 
       const int64_t r = task / kv_heads, g = task % kv_heads;
       attend_one_kv_head(query + r * q_row_stride + g * group * dim, keys + g * dim, values + g * dim, kv_heads * dim,
                          slot + r * positions, length[r], group, dim, scale, scores.data(), positions,
-                         result + r * heads * dim + g * group * dim);
+                         result + r * heads * dim + g * group * dim, nullptr, dim);
     }
   });
 }
@@ -993,13 +1100,22 @@ class DecodeStack : public torch::CustomClassHolder {
 
     const int64_t hidden = hidden_, dim = dim_, q_width = heads_ * dim, kv_width = kv_heads_ * dim;
     const int64_t qkv_width = q_width + 2 * kv_width, group = heads_ / kv_heads_;
-    const int64_t intermediate = layers_.front().down.weights.k, widest = std::max(hidden, intermediate);
+    const int64_t intermediate = layers_.front().down.weights.k;
+    const int64_t widest = std::max({hidden, intermediate, q_width});
     const int team = std::max(1, at::get_num_threads());
+    const int64_t parts = attention_parts(rows, kv_heads_, longest, team);
     // Written by the products' shares, read by every thread after the barrier that follows them.
     std::vector<float> qkv(rows * qkv_width), attended(rows * q_width), o_out(rows * hidden),
         gate_up(rows * 2 * intermediate), down_out(rows * hidden);
     // Each thread's own: the residual stream, a product's input and its int8 codes, attention scores.
     std::vector<float> residual(team * rows * hidden), input(team * rows * widest), scores(team * group * longest);
+    // Attention cut into parts: each part's output and stats (shared), each thread's rotated query.
+    std::vector<float> part_out, part_stats, part_query;
+    if (parts > 1) {
+      part_out.resize(rows * kv_heads_ * parts * group * dim);
+      part_stats.resize(rows * kv_heads_ * parts * group * 2);
+      part_query.resize(team * q_width);
+    }
     std::vector<QuantizedRows> quantized(team);
     at::Tensor normed = at::empty({rows, hidden}, embed_.options());
     float* result = normed.data_ptr<float>();
@@ -1023,28 +1139,40 @@ class DecodeStack : public torch::CustomClassHolder {
         xq.assign(x, rows, hidden);
         layer.qkv.share(xq, rows, qkv.data(), thread, threads);
 #pragma omp barrier
+        if (parts > 1) {
+          attend_in_parts(layer, qkv.data(), length, slots.data(), longest, rows, parts, cos, sin, scale,
+                          own_scores, part_query.data() + thread * q_width, part_out.data(), part_stats.data());
+          // the loop's own barrier: every part attended; each thread combines them for itself
+          for (int64_t task = 0; task < rows * kv_heads_; ++task) {
+            const int64_t r = task / kv_heads_, g = task % kv_heads_;
+            combine_parts(part_out.data() + task * parts * group * dim, part_stats.data() + task * parts * group * 2,
+                          parts, group, dim, x + r * q_width + g * group * dim);
+          }
+          xq.assign(x, rows, q_width);
+        } else {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < rows * kv_heads_; ++task) {
-          const int64_t r = task / kv_heads_, g = task % kv_heads_;
-          const int64_t position = length[r] - 1, slot = slots[r * longest + position];
-          float* row = qkv.data() + r * qkv_width;
-          float* key = row + q_width + g * dim;
-          float* value = row + q_width + kv_width + g * dim;
-          rotate_heads(row + g * group * dim, group, dim, cos + position * dim, sin + position * dim);
-          rotate_heads(key, 1, dim, cos + position * dim, sin + position * dim);
-          const auto write_and_attend = [&](auto* keys, auto* values) {
-            store_kv(keys + slot * kv_width + g * dim, key, dim);
-            store_kv(values + slot * kv_width + g * dim, value, dim);
-            attend_one_kv_head(row + g * group * dim, keys + g * dim, values + g * dim, kv_width,
-                               slots.data() + r * longest, length[r], group, dim, scale, own_scores, longest,
-                               attended.data() + r * q_width + g * group * dim);
-          };
-          if (half_cache_)
-            write_and_attend(static_cast<at::Half*>(layer.k_values), static_cast<at::Half*>(layer.v_values));
-          else
-            write_and_attend(static_cast<float*>(layer.k_values), static_cast<float*>(layer.v_values));
-        }  // the loop's own barrier: every head attended
-        xq.assign(attended.data(), rows, q_width);
+          for (int64_t task = 0; task < rows * kv_heads_; ++task) {
+            const int64_t r = task / kv_heads_, g = task % kv_heads_;
+            const int64_t position = length[r] - 1, slot = slots[r * longest + position];
+            float* row = qkv.data() + r * qkv_width;
+            float* key = row + q_width + g * dim;
+            float* value = row + q_width + kv_width + g * dim;
+            rotate_heads(row + g * group * dim, group, dim, cos + position * dim, sin + position * dim);
+            rotate_heads(key, 1, dim, cos + position * dim, sin + position * dim);
+            const auto write_and_attend = [&](auto* keys, auto* values) {
+              store_kv(keys + slot * kv_width + g * dim, key, dim);
+              store_kv(values + slot * kv_width + g * dim, value, dim);
+              attend_one_kv_head(row + g * group * dim, keys + g * dim, values + g * dim, kv_width,
+                                 slots.data() + r * longest, length[r], group, dim, scale, own_scores, longest,
+                                 attended.data() + r * q_width + g * group * dim, nullptr, dim);
+            };
+            if (half_cache_)
+              write_and_attend(static_cast<at::Half*>(layer.k_values), static_cast<at::Half*>(layer.v_values));
+            else
+              write_and_attend(static_cast<float*>(layer.k_values), static_cast<float*>(layer.v_values));
+          }  // the loop's own barrier: every head attended
+          xq.assign(attended.data(), rows, q_width);
+        }
         layer.o.share(xq, rows, o_out.data(), thread, threads);
 #pragma omp barrier
         add_into(h, o_out.data(), rows * hidden);
@@ -1069,6 +1197,55 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
+  // One layer's attention with each row's positions cut into `parts`: one task per (row, part),
+  // handed out one at a time (an omp for inside the step's parallel region, ending in its barrier).
+  // A task reads every KV head of its positions, one head after another. A lone row's stacked step
+  // at 2,000 positions (a SmolLM2-shaped model, 2-core AMD EPYC of the Zen 4 generation, variants
+  // alternated in one process): 10.2 ms on an fp16 cache, 12.2 on fp32, with one task per KV head
+  // over every position; 8.1 and 10.1 in parts with the prefetch (8.9 and 10.7 without it); 3.2 at
+  // position 1. Every task rotates its own copy of the row's query heads;
+  // the one that holds the row's new position rotates its keys and writes them and the values
+  // first. Each (row, KV head, part)'s output and stats go to part_out and part_stats.
+  void attend_in_parts(const StackLayer& layer, float* qkv, const int64_t* length, const int64_t* slots,
+                       int64_t longest, int64_t rows, int64_t parts, const float* cos, const float* sin, float scale,
+                       float* scores, float* query, float* part_out, float* part_stats) const {
+    const int64_t dim = dim_, q_width = heads_ * dim, kv_width = kv_heads_ * dim, group = heads_ / kv_heads_;
+    const int64_t qkv_width = q_width + 2 * kv_width;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < rows * parts; ++task) {
+      const int64_t r = task / parts, part = task % parts;
+      const int64_t position = length[r] - 1, span = (length[r] + parts - 1) / parts;
+      const int64_t begin = part * span, end = std::min(length[r], begin + span);
+      const auto output = [&](int64_t g) { return (r * kv_heads_ + g) * parts + part; };
+      if (begin >= end) {  // a short row's last parts hold no positions
+        for (int64_t g = 0; g < kv_heads_; ++g)
+          for (int64_t h = 0; h < group; ++h)
+            part_stats[(output(g) * group + h) * 2] = -INFINITY, part_stats[(output(g) * group + h) * 2 + 1] = 0.f;
+        continue;
+      }
+      float* row = qkv + r * qkv_width;
+      std::copy_n(row, q_width, query);
+      rotate_heads(query, heads_, dim, cos + position * dim, sin + position * dim);
+      const auto write_and_attend = [&](auto* keys, auto* values) {
+        if (begin <= position && position < end) {
+          const int64_t slot = slots[r * longest + position];
+          rotate_heads(row + q_width, kv_heads_, dim, cos + position * dim, sin + position * dim);
+          store_kv(keys + slot * kv_width, row + q_width, kv_width);
+          store_kv(values + slot * kv_width, row + q_width + kv_width, kv_width);
+        }
+        for (int64_t g = 0; g < kv_heads_; ++g)
+          attend_one_kv_head(query + g * group * dim, keys + g * dim, values + g * dim, kv_width,
+                             slots + r * longest + begin, end - begin, group, dim, scale, scores, longest,
+                             part_out + output(g) * group * dim, part_stats + output(g) * group * 2,
+                             dim);
+      };
+      if (half_cache_)
+        write_and_attend(static_cast<at::Half*>(layer.k_values), static_cast<at::Half*>(layer.v_values));
+      else
+        write_and_attend(static_cast<float*>(layer.k_values), static_cast<float*>(layer.v_values));
+    }
+  }
+
   static void check_vector(const at::Tensor& t, int64_t size, const char* name) {
     TORCH_CHECK(t.dim() == 1 && t.size(0) == size && t.scalar_type() == at::kFloat && t.is_contiguous(),
                 "DecodeStack: ", name, " must be a contiguous [", size, "] float32 tensor");

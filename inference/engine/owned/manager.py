@@ -200,7 +200,8 @@ class OwnedManager:
         started = time.perf_counter()
         logits = self.runner.step(plan)
         if not plan.prefill:
-            self.governor.after_decode_step(len(plan.decode), (time.perf_counter() - started) * 1000)
+            self.governor.after_decode_step(len(plan.decode), (time.perf_counter() - started) * 1000,
+                                            positions=sum(seq.computed for seq in plan.decode))
         self.steps += 1
         yielding = list(plan.decode)
         for chunk in plan.prefill:

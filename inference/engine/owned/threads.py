@@ -8,8 +8,11 @@ with 2 threads, against p50 10, p90 13-17 with 1 (docs/engine.md). One thread is
 machine (one core's share of the memory bandwidth) and several times faster at the tail on a busy
 one, so the loop takes whichever the steps show:
 
-- every decode-only step's time is compared with the best time seen at its row count with all
-  threads (a step of 2.5× its best waited for a thread);
+- every decode-only step's time is compared with the best time seen with all threads for steps of
+  its row count and about its cached positions (a step of 2.5× its best waited for a thread). The
+  positions count because a long context is slow by itself: a lone q4 row's step at 2,000 positions
+  of an fp32 cache takes ~3× its step at position 0, which, compared by rows alone, read as a
+  neighbour and dropped the loop to one thread;
 - two such steps among the last four drop the loop to one thread for `BACKOFF_S`; after that it
   tries all its threads again, and stays with them while their steps keep near their best. A
   neighbour still there when they are tried doubles the next spell (up to `MAX_BACKOFF_S`), so a
@@ -32,6 +35,7 @@ SLOW = 2.5  # a step this many times the best at its row count waited for a desc
 SLOW_OF_RECENT = (2, 4)  # this many slow steps among the last that many: a neighbour holds a core
 BACKOFF_S = 1.0  # one thread for this long, then all threads are tried again
 MAX_BACKOFF_S = 8.0
+POSITIONS_PER_BUCKET = 256  # steps whose rows' cached positions add up to the same 256 share a best time
 
 
 class ThreadGovernor:
@@ -40,7 +44,8 @@ class ThreadGovernor:
         self.threads = threads
         self.clock = clock
         self.set_threads = set_threads
-        self.best_ms: dict[int, float] = {}  # rows → the fastest decode step with all threads
+        # (rows, cached positions ÷ POSITIONS_PER_BUCKET) → the fastest decode step with all threads
+        self.best_ms: dict[tuple[int, int], float] = {}
         self.recent: deque[bool] = deque(maxlen=SLOW_OF_RECENT[1])
         self.single_until = 0.0
         self.spell_s = BACKOFF_S
@@ -54,12 +59,14 @@ class ThreadGovernor:
             self.current = wanted
             self.recent.clear()
 
-    def after_decode_step(self, rows: int, elapsed_ms: float) -> None:
+    def after_decode_step(self, rows: int, elapsed_ms: float, positions: int = 0) -> None:
+        """A decode-only step of `rows` rows that attended over `positions` cached positions in all."""
         if self.current != self.threads or self.threads == 1:
             return  # one thread's times say nothing about waiting for the other
-        best = self.best_ms.get(rows)
+        kind = (rows, positions // POSITIONS_PER_BUCKET)
+        best = self.best_ms.get(kind)
         if best is None or elapsed_ms < best:
-            self.best_ms[rows] = elapsed_ms
+            self.best_ms[kind] = elapsed_ms
         self.recent.append(best is not None and elapsed_ms > SLOW * best)
         if sum(self.recent) >= SLOW_OF_RECENT[0]:
             now = self.clock()

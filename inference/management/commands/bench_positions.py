@@ -57,7 +57,7 @@ class Command(BaseCommand):
             medians, ratios = run.medians(), run.ratios()
             figures = ", ".join(f"{p}: {medians[p]:.2f} ms ({ratios[p]:.2f}x)" for p in positions)
             self.stdout.write(f"{run.kv_dtype} cache, median of {options['rounds']}: {figures}")
-            self.stdout.write(f"  decode steps: {run.decode_path}")
+            self.stdout.write(f"  decode steps: {run.decode_path}; dropped to one thread {run.thread_backoffs} time(s)")
         if json_path is not None:
             result = {"quantization": options["quantization"], "threads": options["threads"], "tokens": options["tokens"],
                       "rounds": options["rounds"], "runs": [run.as_dict() for run in runs]}
