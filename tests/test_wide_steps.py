@@ -22,6 +22,7 @@ from inference.engine.patches.quantization import (
     q4_forward,
     quantize_model,
     weights_memory_bytes,
+    wide_crossing,
 )
 from inference.engines import model_dir
 from tests.test_fusion import ThreeHeads, parts
@@ -77,11 +78,21 @@ def test_the_measurement_keeps_the_copy_from_an_unbroken_run_of_wins_up_to_the_w
         assert "no bf16 copy kept" in describe_wide(start, timings)
     else:
         first = next(i for i in range(len(buckets)) if all(wins[i:]))
-        assert start == (buckets[first - 1] + 1 if first else 2)
+        assert start == (wide_crossing(timings[first - 1], timings[first]) if first else 2)
+        assert (buckets[first - 1] < start <= buckets[first]) if first else True
         assert model.layers[0].wide_min_rows == start and model.layers[0].q4_max_rows < start
         assert f"the bf16 copy for steps of {start} rows and more" in describe_wide(start, timings)
     head = model.lm_head  # timed and routed on its own
     assert hasattr(head, "bf16_weight") == (head.wide_min_rows != NEVER)
+
+
+def test_the_copy_starts_where_the_two_routes_times_cross_between_buckets():
+    # Zen 4's figures: the 4-bit route 21.4 → 45.6 ms from 16 to 32 rows, the bf16 copy 33.4 → 41.1.
+    # The lines cross at ~27.6 rows; with the 5% the copy must win by, at 30 (not 17, right after 16).
+    assert wide_crossing((16, 21.4, 33.4), (32, 45.6, 41.1)) == 30
+    assert wide_crossing((16, 30.0, 30.0), (32, 60.0, 31.0)) == 17  # already 5% ahead one row on
+    assert wide_crossing((64, 80.0, 84.0), (256, 300.0, 284.0)) == 235
+    assert wide_crossing((64, 80.0, 84.0), (256, 300.0, 290.0)) == 256  # 5% ahead only at the bucket itself
 
 
 def test_a_fused_layer_carries_the_copy_as_one_tensor_its_parts_are_views_of():

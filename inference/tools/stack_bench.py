@@ -60,14 +60,28 @@ def run_stack(requests: list[BenchRequest], *, threads: int, engine_env: dict[st
         sampler.start()
         # The wall clock beside perf_counter: the ledger's timestamps are wall-clock times.
         wall_minus_perf = time.time() - time.perf_counter()
+        cpu_before = [process_cpu_s(p.pid) for p in processes] + [process_cpu_s(os.getpid())]
         timings, connect_ms = asyncio.run(replay_over_websockets(url, origin, cookie, requests))
+        cpu_used = [process_cpu_s(p.pid) for p in processes] + [process_cpu_s(os.getpid())]
         sampler.stop()
         # daphne + the worker: everything this mode needs beyond the clients.
         peak_rss = sum(process_peak_rss_mb(p.pid) for p in processes)
     extra = sampler.figures() | {
         "connect_ms_p50": round(percentile(connect_ms, 50), 1), "connect_ms_p99": round(percentile(connect_ms, 99), 1),
-    } | ttft_parts(timings, wall_minus_perf)
+    } | cpu_per_token(cpu_before, cpu_used, timings) | ttft_parts(timings, wall_minus_perf)
     return ModeResult(summarise(timings, peak_rss), extra=extra, timings=timing_rows(timings))
+
+
+def cpu_per_token(before: list[float], after: list[float], timings: list[RequestTiming]) -> dict:
+    """CPU ms per output token of the burst, by process: [the worker, daphne, this process (the clients)].
+
+    On 2 cores every millisecond the web process and the clients take is one the engine's threads
+    do not get: this says where the stack's tokens/s below the engine mode's goes.
+    """
+    tokens = sum(t.output_tokens for t in timings) or 1
+    worker, daphne, clients = ((end - begin) * 1000 / tokens for begin, end in zip(before, after, strict=True))
+    return {"daphne_cpu_ms_per_token": round(daphne, 3), "worker_cpu_ms_per_token": round(worker, 3),
+            "clients_cpu_ms_per_token": round(clients, 3)}
 
 
 def run_remote(peer_url: str, requests: list[BenchRequest], *, threads: int, engine_env: dict[str, str], log_dir: Path,

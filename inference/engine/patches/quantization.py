@@ -440,8 +440,9 @@ def measure_wide_rows(model: nn.Module, repeats: int = 3) -> tuple[int, list[tup
     16-256 rows reads half the bytes of fp32 and runs on those units, while the 4-bit kernel's cost
     grows with the rows (it unpacks every weight for each few rows). Per bucket of WIDE_ROW_BUCKETS
     from 2 rows up, the layers' current route (4-bit or fp32) is timed against the bf16 copy; the
-    copy serves from the first bucket of an unbroken run of wins up to the last (256 rows, standing
-    for every longer prefill chunk). Where it never wins the copies are dropped (no memory kept).
+    copy serves an unbroken run of wins up to the last bucket (256 rows, standing for every longer
+    prefill chunk), from where the two routes' times cross between the last losing bucket and the
+    first winning one (wide_crossing). Where it never wins the copies are dropped (no memory kept).
     Returns (the row count from which steps read the bf16 copy, NEVER if none; [(rows, current ms,
     bf16 ms)] per bucket).
     """
@@ -490,10 +491,34 @@ def _wide_start(layers: list[nn.Linear], repeats: int) -> tuple[int, list[tuple[
     start = NEVER
     for index in reversed(range(len(buckets))):  # the unbroken run of wins that ends at the widest bucket
         rows, current_ms, bf16_ms = timings[index]
-        if bf16_ms >= (1 - Q4_MIN_GAIN) * current_ms:
+        if not _bf16_wins(current_ms, bf16_ms):
+            if start != NEVER:  # the run begins between this bucket and the next
+                start = wide_crossing(timings[index], timings[index + 1])
             break
-        start = buckets[index - 1] + 1 if index else 2
+        start = 2 if index == 0 else rows
     return start, timings
+
+
+def _bf16_wins(current_ms: float, bf16_ms: float) -> bool:
+    return bf16_ms < (1 - Q4_MIN_GAIN) * current_ms
+
+
+def wide_crossing(losing: tuple[int, float, float], winning: tuple[int, float, float]) -> int:
+    """The first row count after a bucket where the bf16 copy loses at which it wins, each route's time
+    taken as a straight line between the two buckets' timings (rows, current ms, bf16 ms).
+
+    The 4-bit route's time grows with its rows several times faster than the bf16 copy's, so between
+    16 rows (4-bit 21 ms, bf16 33) and 32 (46 and 41; 2-core AMD EPYC, Zen 4) the lines cross near 28:
+    starting the copy right after the losing bucket put steps of 17-27 rows (a burst's decode rows
+    beside a prompt's last chunk) on the slower route.
+    """
+    low_rows, low_current, low_bf16 = losing
+    high_rows, high_current, high_bf16 = winning
+    for rows in range(low_rows + 1, high_rows):
+        share = (rows - low_rows) / (high_rows - low_rows)
+        if _bf16_wins(low_current + share * (high_current - low_current), low_bf16 + share * (high_bf16 - low_bf16)):
+            return rows
+    return high_rows
 
 
 def describe_wide(start: int, timings: list[tuple[int, float, float]]) -> str:
