@@ -15,6 +15,8 @@ from inference.engine.patches.quantization import (
     Q4_ROW_BUCKETS,
     QuantizationError,
     check_mode,
+    describe_q4,
+    measure_head_rows,
     measure_q4_rows,
     mode_of,
     pack_q4,
@@ -139,6 +141,16 @@ def test_the_measurement_routes_an_unbroken_run_of_winning_buckets():
     assert max_rows in (0, *Q4_ROW_BUCKETS) and model.layers[0].q4_max_rows == max_rows
     winners = [rows for rows, fp32, q4 in timings if q4 < 0.95 * fp32]
     assert max_rows == 0 or winners[: Q4_ROW_BUCKETS.index(max_rows) + 1] == list(Q4_ROW_BUCKETS[: Q4_ROW_BUCKETS.index(max_rows) + 1])
+
+
+def test_the_lm_head_is_routed_on_its_own_and_its_timings_returned():
+    model = quantize_model(TinyDecoder(on_grid(576, 1536)), Q4)
+    max_rows, timings = measure_head_rows(model, repeats=1)
+    assert [rows for rows, _, _ in timings] == list(Q4_ROW_BUCKETS)
+    assert all(fp32 > 0 and int8 > 0 for _, fp32, int8 in timings)
+    assert model.lm_head.q4_max_rows == max_rows
+    assert describe_q4(max_rows, timings, "the int8 copy").endswith(f"→ the int8 copy for steps of up to {max_rows} rows")
+    assert measure_head_rows(nn.Sequential(nn.Linear(8, 8)), repeats=1) == (0, [])  # no int8 head: nothing timed
 
 
 def test_the_real_model_serves_its_own_4_bit_codes_in_the_engine(q4_engine):

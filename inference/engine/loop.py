@@ -47,6 +47,7 @@ from .patches.quantization import (
     describe_q4,
     describe_wide,
     kernels_of,
+    measure_head_rows,
     measure_q4_rows,
     measure_wide_rows,
     q4_routes,
@@ -180,11 +181,13 @@ class Engine:
         if kept is None:
             # After the skinny routes: q4 competes with the route an fp32 step would really take.
             max_rows, q4_timings = measure_q4_rows(self.model)
+            head_max_rows, head_timings = measure_head_rows(self.model)
             wide_min_rows, wide_timings = NEVER, []
             if self.config.q4_wide_bf16:
                 wide_min_rows, wide_timings = measure_wide_rows(self.model)
             kept = {"q4_max_rows": max_rows, "q4_timings": q4_timings, "wide_min_rows": wide_min_rows,
-                    "wide_timings": wide_timings, "routes": q4_routes(self.model)}
+                    "wide_timings": wide_timings, "head_max_rows": head_max_rows, "head_timings": head_timings,
+                    "routes": q4_routes(self.model)}
             self.kept.keep(name, kept)
             note = ""
         else:
@@ -193,6 +196,9 @@ class Engine:
         self.q4_max_rows = self.q4_max_rows_before_wide = kept["q4_max_rows"]
         progress("Decode linears, fp32 vs 4-bit weights per pass over the block linears: "
                  f"{describe_q4(self.q4_max_rows, kept['q4_timings'])}{note}")
+        if kept.get("head_timings"):
+            progress("The lm_head, fp32 vs its int8 copy per pass: "
+                     f"{describe_q4(kept['head_max_rows'], kept['head_timings'], 'the int8 copy')}{note}")
         if self.config.q4_wide_bf16:
             self.wide_min_rows = kept["wide_min_rows"]
             self.q4_max_rows = min(self.q4_max_rows, self.wide_min_rows - 1)

@@ -570,9 +570,9 @@ inline __m512 load16(const at::Half* p) {
 }
 
 // The horizontal sums of 16 vectors as one: lane j = Σ of v[j]'s lanes. A transpose folded into
-// the additions, 45 instructions where 16 separate horizontal sums take ~130: per position and
-// head a score is otherwise one horizontal sum after its 4 products, and at a long context those
-// sums were most of the attention's time.
+// the additions, 45 instructions where 16 separate horizontal sums take ~130 (a score is one
+// horizontal sum after its 4 products): decode_attention over 2,000 cached positions with its cache
+// in L2 went from 59 to 55 µs a layer (fp32; 63 → 61 on fp16, which its conversions bound).
 inline __m512 sums_of_16(const __m512 (&v)[16]) {
   __m512 pairs[8], quads[4];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i]'s two halves summed in lanes 0 and 2, v[2i+1]'s in 1 and 3
