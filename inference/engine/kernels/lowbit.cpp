@@ -1166,10 +1166,7 @@ class DecodeStack : public torch::CustomClassHolder {
                                  slots.data() + r * longest, length[r], group, dim, scale, own_scores, longest,
                                  attended.data() + r * q_width + g * group * dim, nullptr, dim);
             };
-            if (half_cache_)
-              write_and_attend(static_cast<at::Half*>(layer.k_values), static_cast<at::Half*>(layer.v_values));
-            else
-              write_and_attend(static_cast<float*>(layer.k_values), static_cast<float*>(layer.v_values));
+            with_cache(layer, write_and_attend);
           }  // the loop's own barrier: every head attended
           xq.assign(attended.data(), rows, q_width);
         }
@@ -1197,6 +1194,15 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
+  // Calls attend(keys, values) with the layer's caches as the type they hold (fp16 or fp32).
+  template <typename Attend>
+  void with_cache(const StackLayer& layer, Attend&& attend) const {
+    if (half_cache_)
+      attend(static_cast<at::Half*>(layer.k_values), static_cast<at::Half*>(layer.v_values));
+    else
+      attend(static_cast<float*>(layer.k_values), static_cast<float*>(layer.v_values));
+  }
+
   // One layer's attention with each row's positions cut into `parts`: one task per (row, part),
   // handed out one at a time (an omp for inside the step's parallel region, ending in its barrier).
   // A task reads every KV head of its positions, one head after another. A lone row's stacked step
@@ -1239,10 +1245,7 @@ class DecodeStack : public torch::CustomClassHolder {
                              part_out + output(g) * group * dim, part_stats + output(g) * group * 2,
                              dim);
       };
-      if (half_cache_)
-        write_and_attend(static_cast<at::Half*>(layer.k_values), static_cast<at::Half*>(layer.v_values));
-      else
-        write_and_attend(static_cast<float*>(layer.k_values), static_cast<float*>(layer.v_values));
+      with_cache(layer, write_and_attend);
     }
   }
 
