@@ -376,8 +376,9 @@ CEILING_MAX_BATCH_TOKENS = envint("CEILING_MAX_BATCH_TOKENS", 512, minimum=16)
 # Prompt tokens one step may prefill while answers are streaming (0: up to CEILING_MAX_BATCH_TOKENS), and
 # requests in an engine's running batch at once (vLLM's max_num_seqs, llama.cpp's slots; 0: as many as
 # CEILING_MAX_BATCH_TOKENS; the rest wait for a place, holding no KV blocks). Unset: the engine's device
-# decides (inference/engine/config.py: 32 and 12 on a CPU, measured on the bench's --quick burst,
-# docs/engine.md "Requests in the running batch"; no limits on a GPU).
+# decides (inference/engine/config.py: on a CPU 12 running, and a prefill budget measured when the engine
+# loads, 32 to 512 tokens by how its steps' time grows with their rows; docs/engine.md "Prefill budget" and
+# "Requests in the running batch"; no limits on a GPU).
 CEILING_PREFILL_BUDGET = envint("CEILING_PREFILL_BUDGET", None, minimum=0)
 CEILING_MAX_RUNNING = envint("CEILING_MAX_RUNNING", None, minimum=0)
 # The KV cache's dtype on a CPU (fp32 activations): float16 halves what a decode step reads per cached

@@ -361,3 +361,11 @@ def test_the_peer_is_given_as_its_root_or_as_the_v1_base_url_openai_clients_take
 def test_a_peer_that_does_not_answer_is_a_sentence():
     with pytest.raises(BenchError, match="does not answer GET /v1/models like an OpenAI-compatible server"):
         run_peer("http://127.0.0.1:9", mixed_workload(WorkloadSpec(requests=1)))
+
+
+def test_bench_positions_says_which_engine_failed_to_load(tmp_path):
+    """Each dtype's engine loads in a process of its own: one that fails is named, with the reason."""
+    from inference.engine.bench.positions import PositionsError, measure_positions
+
+    with pytest.raises(PositionsError, match="the float16 engine failed: .*"):
+        measure_positions(tmp_path / "no-model-here", ["float16"], (0,), tokens=2, rounds=1, progress=lambda _: None)

@@ -207,7 +207,7 @@ def test_a_cpu_engine_gets_the_measured_step_limits_unless_configured_and_a_gpu_
 
     settings.CEILING_DEVICE, settings.CEILING_PREFILL_BUDGET, settings.CEILING_MAX_RUNNING = "cpu", None, None
     config = engine_config_from_settings(model_dir())
-    assert (config.prefill_budget, config.max_running) == (32, 12)
+    assert (config.prefill_budget, config.max_running) == (None, 12)  # the budget: measured when it loads
     settings.CEILING_PREFILL_BUDGET, settings.CEILING_MAX_RUNNING = 0, 40
     config = engine_config_from_settings(model_dir())
     assert (config.prefill_budget, config.max_running) == (0, 40)
@@ -380,3 +380,36 @@ def test_logprobs_are_the_models_own_for_the_chosen_token_and_its_alternatives(s
 def test_sampling_values_out_of_range_are_refused_with_the_range(values, fragment):
     with pytest.raises(EngineError, match=fragment):
         Sampling(**values)
+
+
+# Passes over the block linears by rows, as two CPUs' q4 engines timed them at load (ms): an Intel
+# Xeon whose bf16 copy runs on AMX (docs/benchmarks.md, 2026-12-07) and a Zen 4 EPYC without AMX
+# (docs/engine.md), where the 32-token budget was tuned; and a CPU without bf16 units (4-bit, then fp32).
+XEON_AMX_STEPS = [(2, 7.0), (4, 10.3), (8, 16.1), (16, 27.5), (32, 31.3), (64, 39.4), (256, 75.5)]
+ZEN4_STEPS = [(1, 5.7), (8, 12.4), (16, 21.3), (32, 44.0), (64, 59.0), (256, 162.0)]
+NO_BF16_STEPS = [(1, 5.0), (8, 12.0), (16, 21.0), (32, 42.0), (64, 85.0)]
+
+
+def test_the_measured_prefill_budget_is_the_largest_chunk_a_step_of_the_running_batch_can_carry():
+    from inference.engine.owned.scheduler import PREFILL_CHUNKS, measured_prefill_budget
+
+    assert measured_prefill_budget(XEON_AMX_STEPS, 12) == 128  # 12 rows ~22 ms; 140 rows ~54 (≤ 3×), 268 ~78
+    assert measured_prefill_budget(ZEN4_STEPS, 12) == 32  # what was tuned there by hand
+    assert measured_prefill_budget(NO_BF16_STEPS, 12) == 32  # no chunk fits 3×: the smallest, never none
+    assert measured_prefill_budget(list(reversed(XEON_AMX_STEPS)), 12) == 128  # in any order
+    flat = [(1, 10.0), (64, 10.0)]  # a step that costs the same at any width (a GPU's): the largest chunk
+    assert measured_prefill_budget(flat, 12) == PREFILL_CHUNKS[-1]
+    assert measured_prefill_budget([], 12) is None and measured_prefill_budget([(8, 5.0)], 12) is None
+
+
+def test_a_configured_prefill_budget_wins_over_the_measured_one():
+    engine = Engine(EngineConfig(model_dir=model_dir(), prefill_budget=48))
+    said: list[str] = []
+    engine.step_ms = XEON_AMX_STEPS
+    assert engine._choose_prefill_budget(said.append) == 48 and said == []
+    unset = Engine(EngineConfig(model_dir=model_dir(), prefill_budget=None))
+    unset.step_ms = XEON_AMX_STEPS
+    assert unset._choose_prefill_budget(said.append) == 128
+    assert said[-1].startswith("Prefill budget beside decoding requests: 128 tokens, the largest chunk that keeps a step of 12")
+    unset.step_ms = []  # a variant that times no steps (fp32, int8, bf16)
+    assert unset._choose_prefill_budget(said.append) == 32 and "no step times measured" in said[-1]

@@ -145,6 +145,22 @@ def test_an_engine_asked_for_wide_steps_measures_them_at_load_and_counts_the_cop
     assert engine.weights_bytes == weights_memory_bytes(engine.model)
 
 
+def test_an_engine_without_a_configured_prefill_budget_reads_one_from_its_step_times(q4_engine_load):
+    from inference.engine.config import CPU_MAX_RUNNING
+    from inference.engine.owned.scheduler import PREFILL_CHUNKS, measured_prefill_budget
+
+    engine, said = q4_engine_load.engine, q4_engine_load.said
+    assert engine.config.prefill_budget is None  # unset in the settings, as `make run` leaves it
+    assert [rows for rows, _ in engine.step_ms] == [2, 4, 8, 16, 32, 64, 256]
+    assert engine.prefill_budget == measured_prefill_budget(engine.step_ms, CPU_MAX_RUNNING) in PREFILL_CHUNKS
+    assert f"Prefill budget beside decoding requests: {engine.prefill_budget} tokens" in "\n".join(said)
+    engine.start()
+    try:
+        assert engine.manager.scheduler.prefill_budget == engine.prefill_budget
+    finally:
+        engine.stop()
+
+
 @pytest.mark.parametrize("wide", [True, False])
 def test_the_setting_reaches_the_engine_and_the_benchs_own_worker(settings, wide):
     from inference.engines import engine_config_from_settings

@@ -32,7 +32,9 @@ class EngineConfig:
     max_batch_tokens: int = 512
     # Owned loop: prompt tokens a step may prefill while any request is decoding (0: up to
     # max_batch_tokens), so streaming answers are not held up by big prompt chunks (owned/scheduler.py).
-    prefill_budget: int = 0
+    # None: from the step times the q4 variant measures at load (measured_prefill_budget), else
+    # CPU_PREFILL_BUDGET.
+    prefill_budget: int | None = 0
     # Owned loop: requests in the running batch at once, the rest wait their turn (0: up to
     # max_batch_tokens); each step's rows all wait for the whole step (owned/scheduler.py).
     max_running: int = 0
@@ -74,8 +76,9 @@ class EngineConfig:
             raise EngineError(f"kv_dtype must be one of {', '.join(KV_DTYPE_NAMES)}, not {self.kv_dtype!r}")
         if self.max_running < 0:
             raise EngineError(f"max_running must be 0 (no limit) or a number of requests, not {self.max_running}")
-        if self.prefill_budget < 0:
-            raise EngineError(f"prefill_budget must be 0 (no limit) or a number of tokens, not {self.prefill_budget}")
+        if self.prefill_budget is not None and self.prefill_budget < 0:
+            raise EngineError(f"prefill_budget must be 0 (no limit), a number of tokens or None (measured), "
+                              f"not {self.prefill_budget}")
 
 
 # The per-step limits a CPU engine gets unless configured (CEILING_PREFILL_BUDGET, CEILING_MAX_RUNNING).
@@ -85,16 +88,18 @@ class EngineConfig:
 # 39.6 (its 8 slots), 12 running and a 32-token prefill budget 35.8 ms, with the first token still
 # sooner than llama.cpp's (TTFT p50 985 against 1,458 ms) and the burst 1.9× its tokens/s
 # (docs/engine.md, "Requests in the running batch"). A GPU's step costs about the same for 1 row or 64:
-# no limits there.
+# no limits there. Unset on a CPU, the budget is measured at load where the q4 variant times its steps
+# by rows (owned/scheduler.py, measured_prefill_budget); 32 where nothing was timed.
 CPU_PREFILL_BUDGET = 32
 CPU_MAX_RUNNING = 12
 
 
-def step_limits(device: str, prefill_budget: int | None, max_running: int | None) -> tuple[int, int]:
-    """(prefill_budget, max_running) as configured, else the device's defaults (0 = no limit)."""
+def step_limits(device: str, prefill_budget: int | None, max_running: int | None) -> tuple[int | None, int]:
+    """(prefill_budget, max_running) as configured, else the device's defaults (0 = no limit; a CPU's
+    prefill budget None: measured when the engine loads)."""
     on_cpu = not device.startswith("cuda")
-    if prefill_budget is None:
-        prefill_budget = CPU_PREFILL_BUDGET if on_cpu else 0
+    if prefill_budget is None and not on_cpu:
+        prefill_budget = 0
     if max_running is None:
         max_running = CPU_MAX_RUNNING if on_cpu else 0
     return prefill_budget, max_running

@@ -32,11 +32,12 @@ import torch
 
 from . import kernels
 from .chat import encode_chat
-from .config import GREEDY, EngineConfig, EngineError, Sampling
+from .config import CPU_MAX_RUNNING, CPU_PREFILL_BUDGET, GREEDY, EngineConfig, EngineError, Sampling
 from .internals import kv_block_usage, scheduler_counts
 from .measured import KeptMeasurements, kept_measurements, kept_note
 from .owned.manager import OwnedManager
 from .owned.runner import KV_DTYPES, unsupported_reason
+from .owned.scheduler import PREFILL_STEP_STRETCH, measured_prefill_budget
 from .patches import attention
 from .patches.linears import BucketTiming, describe, measure_row_buckets, plain_linears, use_skinny_linears
 from .patches.quantization import (
@@ -110,6 +111,11 @@ class Engine:
         self.paged_attention = False  # decode rows attend on Ceiling's kernel, in place in the paged cache
         self.wide_min_rows = NEVER  # steps of at least this many rows read the bf16 copy (q4 variant only)
         self.q4_max_rows_before_wide = 0  # the 4-bit route's reach as measured against fp32 alone
+        # (rows, ms) of a pass over the block linears on the route each width takes, as load() timed
+        # them (q4 variant only): what a measured prefill budget is read from.
+        self.step_ms: list[tuple[int, float]] = []
+        # The owned loop's prefill budget: as configured, or measured at load (_choose_prefill_budget).
+        self.prefill_budget = config.prefill_budget if config.prefill_budget is not None else CPU_PREFILL_BUDGET
         self.kernels = TORCH_KERNELS  # whose kernels the q4 variant's packed layers run on
         self.kept = KeptMeasurements(None)  # what load() times, kept per machine (measured.py); set by load()
         self.loop = config.loop  # the loop that really runs: "owned" or "transformers" (see _choose_loop)
@@ -171,6 +177,7 @@ class Engine:
             progress(f"Decode linears, F.linear vs W·xᵀ per pass over the weights: {describe(timings)}{kept_note(kept)}")
         if self.config.quantization == Q4:
             self._route_q4(progress)
+        self.prefill_budget = self._choose_prefill_budget(progress)
 
     def _route_q4(self, progress) -> None:
         """The 4-bit route's reach, and the bf16 copy's for wide steps: as kept from an earlier start on
@@ -204,7 +211,23 @@ class Engine:
             self.q4_max_rows = min(self.q4_max_rows, self.wide_min_rows - 1)
             progress(f"Wide steps, their route vs a bf16 copy per pass over the block linears: "
                      f"{describe_wide(self.wide_min_rows, kept['wide_timings'])}{note}")
+        self.step_ms = routed_step_ms(kept, self.wide_min_rows)
         self.weights_bytes = weights_memory_bytes(self.model)
+
+    def _choose_prefill_budget(self, progress) -> int:
+        """The configured prefill budget, else the one this machine's step times give (owned/scheduler.py)."""
+        if self.config.prefill_budget is not None:
+            return self.config.prefill_budget
+        decode_rows = self.config.max_running or CPU_MAX_RUNNING
+        budget = measured_prefill_budget(self.step_ms, decode_rows)
+        if budget is None:
+            progress(f"Prefill budget beside decoding requests: {CPU_PREFILL_BUDGET} tokens "
+                     "(no step times measured: only the q4 variant times its steps by rows)")
+            return CPU_PREFILL_BUDGET
+        progress(f"Prefill budget beside decoding requests: {budget} tokens, the largest chunk that keeps a step of "
+                 f"{decode_rows} decoding rows within {PREFILL_STEP_STRETCH:g}× their own "
+                 f"({describe_step_ms(self.step_ms)})")
+        return budget
 
     def _own_kernels_unavailable(self) -> str | None:
         """Why the q4 variant cannot run on Ceiling's kernels (None: built, once per machine, and loaded now)."""
@@ -235,7 +258,7 @@ class Engine:
                 max_batch_tokens=self.config.max_batch_tokens, prefix_sharing=self.config.prefix_sharing,
                 compile_buckets=() if self.config.device.startswith("cuda") else self.config.compile_buckets,
                 compile_cache_dir=self.config.compile_cache_dir, paged_attention=self.paged_attention,
-                prefill_budget=self.config.prefill_budget, kv_dtype=KV_DTYPES[self.config.kv_dtype],
+                prefill_budget=self.prefill_budget, kv_dtype=KV_DTYPES[self.config.kv_dtype],
                 kept=self.kept, max_running=self.config.max_running,
             )
             manager.start()
@@ -496,3 +519,14 @@ class Engine:
                 busy_tokens += tokens
         return total / window_s, (busy_tokens / busy_s if busy_tokens >= BUSY_MIN_TOKENS and busy_s > 0 else 0.0)
 
+
+def routed_step_ms(kept: dict, wide_min_rows: int) -> list[tuple[int, float]]:
+    """(rows, ms) per pass over the block linears on the route each width takes, from the q4 routes'
+    timings: the bf16 copy's from wide_min_rows on where it was timed, the 4-bit or fp32 route's below."""
+    if kept.get("wide_timings"):
+        return [(rows, bf16 if rows >= wide_min_rows else current) for rows, current, bf16 in kept["wide_timings"]]
+    return [(rows, q4 if rows <= kept["q4_max_rows"] else fp32) for rows, fp32, q4 in kept.get("q4_timings", [])]
+
+
+def describe_step_ms(step_ms: list[tuple[int, float]]) -> str:
+    return ", ".join(f"{rows} rows {ms:.1f} ms" for rows, ms in step_ms)

@@ -197,7 +197,7 @@ def run_engine(model_dir: Path, requests: list[BenchRequest], threads: int = 2, 
     compiled |= {} if stack is None else {"decode_stack": stack.as_dict()}
     extra = sampler.figures() | lone | compiled | {"skinny_buckets": engine.skinny_buckets, "loop": engine.loop,
                                         "quantization": engine.config.quantization, "q4_max_rows": engine.q4_max_rows,
-                                        "q4_kernels": engine.kernels,
+                                        "q4_kernels": engine.kernels, "prefill_budget": engine.prefill_budget,
                                         "wide_min_rows": None if engine.wide_min_rows == NEVER else engine.wide_min_rows}
     return ModeResult(summarise(timings, own_peak_rss_mb()), extra=extra, timings=timing_rows(timings))
 

@@ -28,6 +28,11 @@ from .sequence import FINISHED, RUNNING, Sequence
 
 PREFILL_AGING_S = 2.0
 
+# The measured prefill budget (measured_prefill_budget): the largest of these chunks that keeps a
+# step of a full running batch plus the chunk within PREFILL_STEP_STRETCH × the batch's own step.
+PREFILL_CHUNKS = (32, 64, 128, 256, 512)
+PREFILL_STEP_STRETCH = 3.0
+
 
 @dataclass
 class PrefillChunk:
@@ -128,3 +133,33 @@ class Scheduler:
             seq.status = RUNNING
             self.running.append(seq)
         self.waiting.extendleft(reversed(held_back))
+
+
+def measured_prefill_budget(step_ms: list[tuple[int, float]], decode_rows: int) -> int | None:
+    """The prompt tokens a step may prefill beside `decode_rows` decoding requests, from how long this
+    machine's steps take by rows (`step_ms`: (rows, ms) of a pass over the block linears on the
+    route each width takes, measured at load; None without timings).
+
+    The largest of PREFILL_CHUNKS whose step stays within PREFILL_STEP_STRETCH × the decode rows' own
+    step, and at least the smallest. A fixed token budget meant different stalls on different CPUs:
+    where a wide step runs on bf16 matrix units (an Intel Xeon with AMX: 256 rows 75 ms, 16 rows
+    28) a chunk of 128 costs each decoding row less than 32 did on a CPU without them (a Zen 4 EPYC:
+    256 rows 162 ms, 16 rows 24), and 32-token chunks there spent three times the per-token time of
+    big ones. 3× is what the 32-token budget tuned on that Zen 4 (docs/engine.md, "Requests in the
+    running batch") allowed a step of its 12 running requests.
+    """
+    points = sorted(dict(step_ms).items())  # one time per width
+    if len(points) < 2 or decode_rows < 1:
+        return None
+    alone = _interpolated_ms(points, decode_rows)
+    fitting = [chunk for chunk in PREFILL_CHUNKS
+               if _interpolated_ms(points, decode_rows + chunk) <= PREFILL_STEP_STRETCH * alone]
+    return max(fitting, default=PREFILL_CHUNKS[0])
+
+
+def _interpolated_ms(points: list[tuple[int, float]], rows: int) -> float:
+    """A step's time at `rows`, on straight lines between the measured widths (and past the ends, the
+    nearest line extended)."""
+    line = next((index for index in range(1, len(points) - 1) if rows <= points[index][0]), len(points) - 1)
+    (rows_a, ms_a), (rows_b, ms_b) = points[line - 1], points[line]
+    return ms_a + (ms_b - ms_a) * (rows - rows_a) / (rows_b - rows_a)

@@ -59,7 +59,7 @@ class Command(DatabaseCommand):
         parser.add_argument("--max-batch-tokens", type=int, default=settings.CEILING_MAX_BATCH_TOKENS)
         parser.add_argument("--prefill-budget", type=int, default=settings.CEILING_PREFILL_BUDGET,
                             help="prompt tokens a step may prefill while requests decode, 0 for no limit (default: CEILING_PREFILL_BUDGET, "
-                                 "else 32 on a CPU)")
+                                 "else on a CPU measured when the engine loads: inference/engine/owned/scheduler.py)")
         parser.add_argument("--max-running", type=int, default=settings.CEILING_MAX_RUNNING,
                             help="requests in the engine's running batch at once, 0 for no limit (default: CEILING_MAX_RUNNING, else 12 "
                                  "on a CPU)")
@@ -212,7 +212,7 @@ class Command(DatabaseCommand):
         machine["loop"] = options["loop"]
         machine["attention"] = options["attention"]
         machine["max_batch_tokens"] = options["max_batch_tokens"]
-        machine["prefill_budget"] = options["prefill_budget"]
+        machine["prefill_budget"] = "measured" if options["prefill_budget"] is None else options["prefill_budget"]
         machine["max_running"] = options["max_running"]
         machine["kv_dtype"] = options["kv_dtype"]
         machine["skinny_linear"] = options["skinny_linear"]
@@ -319,7 +319,8 @@ def stack_env(engine_options: dict, stream_interval: int) -> dict[str, str]:
         "CEILING_ENGINE_LOOP": engine_options["loop"],
         "CEILING_ATTENTION": engine_options["attention"],
         "CEILING_MAX_BATCH_TOKENS": str(engine_options["max_batch_tokens"]),
-        "CEILING_PREFILL_BUDGET": str(engine_options["prefill_budget"]),
+        # None: unset, so the worker measures its own (as a worker started by `make run` does)
+        "CEILING_PREFILL_BUDGET": "" if engine_options["prefill_budget"] is None else str(engine_options["prefill_budget"]),
         "CEILING_MAX_RUNNING": str(engine_options["max_running"]),
         "CEILING_KV_DTYPE": engine_options["kv_dtype"],
         "CEILING_SKINNY_LINEAR": "1" if engine_options["skinny_linear"] else "0",

@@ -8,7 +8,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from inference.engine.bench.positions import DEFAULT_POSITIONS, measure_positions
+from inference.engine.bench.positions import DEFAULT_POSITIONS, PositionsError, measure_positions
 from inference.engine.config import KV_DTYPE_NAMES
 from inference.engine.patches.quantization import MODES
 from inference.engines import model_dir
@@ -51,8 +51,11 @@ class Command(BaseCommand):
             "kernel_cache_dir": Path(settings.VAR_DIR) / "kernels",
             "q4_wide_bf16": settings.CEILING_Q4_WIDE_BF16,
         }
-        runs = measure_positions(model_dir(progress=self.stdout.write), kv_dtypes, positions, options["tokens"],
-                                 options["rounds"], options["threads"], engine_options, progress=self.stdout.write)
+        try:
+            runs = measure_positions(model_dir(progress=self.stdout.write), kv_dtypes, positions, options["tokens"],
+                                     options["rounds"], options["threads"], engine_options, progress=self.stdout.write)
+        except PositionsError as exc:
+            raise CommandError(str(exc)) from exc
         for run in runs:
             medians, ratios = run.medians(), run.ratios()
             figures = ", ".join(f"{p}: {medians[p]:.2f} ms ({ratios[p]:.2f}x)" for p in positions)
