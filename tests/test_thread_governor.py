@@ -88,3 +88,22 @@ def test_a_neighbour_that_stays_doubles_each_spell_up_to_the_most():
     host.now += 60  # long after: a new neighbour starts from the shortest spell
     steps(governor, host, [40.0, 40.0])
     assert governor.spell_s == threads.BACKOFF_S
+
+
+def test_delays_that_still_leave_all_threads_faster_than_one_keep_every_thread():
+    # The stack's web tier wakes for every streamed token and now and then delays a step 2.5× without
+    # holding a core: once a spell has shown one thread slower than all threads with those delays,
+    # they no longer drop the loop; a neighbour that makes all threads slower than one still does.
+    host = Host()
+    governor = host.governor()
+    steps(governor, host, [4.0] * 4)
+    steps(governor, host, [11.0, 4.0, 11.0])  # not yet known whether one thread would do better: tried
+    assert governor.backoffs == 1
+    steps(governor, host, [8.0] * 6)  # one thread: 8 ms a step
+    host.now = governor.single_until
+    steps(governor, host, [4.0, 11.0] * 8)  # all threads, delays included: 7.5 ms on average
+    assert governor.backoffs == 1 and governor.current == 2
+    steps(governor, host, [40.0, 40.0])  # a neighbour: now all threads take longer than one would
+    assert governor.backoffs == 2
+    steps(governor, host, [8.0])
+    assert governor.current == 1
