@@ -435,6 +435,10 @@ CEILING_INFERENCE_QUEUE = envstr("CEILING_INFERENCE_QUEUE", "inference")
 # comes; more sends fewer, longer frames, which leaves the engine more CPU where the web tier shares
 # its cores (each delivered frame costs it ~1.3 ms of forward-pass time on 2 cores, docs/benchmarks.md).
 CEILING_STREAM_INTERVAL = envint("CEILING_STREAM_INTERVAL", 1, minimum=1)
+# And at least this many milliseconds between frames after the first (0: none): a reader sees text
+# arrive ~40 times a second either way, and a lone chat on 2 cores ran ~8.5 → ~6.4 ms a token with it
+# (inference/worker/generation.py, FrameBuffer). A held piece waits at most for the next step.
+CEILING_STREAM_FRAME_MS = envint("CEILING_STREAM_FRAME_MS", 25, minimum=0)
 # Benchmarks only: generate exactly max_tokens, ignoring end-of-sequence (manage.py bench's stack mode).
 CEILING_IGNORE_EOS = envbool("CEILING_IGNORE_EOS", False)
 # Benchmarks only: record when each request reaches each stage of its time to first token

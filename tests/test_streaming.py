@@ -229,3 +229,26 @@ async def _reader_lifecycle() -> list:
 def test_the_inbox_sorts_frames_out_by_request_and_reads_only_while_a_request_waits(redis_db):
     """Unreadable bundles and frames for requests that ended are dropped; the reader goes on."""
     assert asyncio.run(_reader_lifecycle()) == [{"request_id": "mine", "n": 1}, True, {"request_id": "mine-again", "n": 3}]
+
+
+def test_a_frame_waits_for_its_milliseconds_after_the_first_and_loses_nothing():
+    """CEILING_STREAM_FRAME_MS: the first piece at once, then a frame once 25 ms have passed since the
+    last one; the held text goes out with the next frame, and the end whatever the time."""
+    now = [0.0]
+    buffer = FrameBuffer(1, frame_ms=25, clock=lambda: now[0])
+    sent = []
+    for piece in ["Hello", ",", " world", "!", " How", " are", " you"]:
+        sent.append(buffer.add(piece, 1))
+        now[0] += 0.010  # a token every 10 ms
+    assert sent == ["Hello", "", "", ", world!", "", "", " How are you"]  # at 0, 30 and 60 ms
+    assert buffer.add("?", 1) == ""  # 10 ms after the last frame: held, then the end sends it
+    assert buffer.take() == "?" and "".join(sent) + "?" == "Hello, world! How are you?"
+
+
+def test_the_frame_milliseconds_reach_the_worker_from_the_setting(settings):
+    from budgets.models import TokenLog
+    from inference.worker.generation import TokenStream
+
+    settings.CEILING_STREAM_INTERVAL, settings.CEILING_STREAM_FRAME_MS = 2, 40
+    stream = TokenStream(TokenLog(request_id="frames"), reply_to="")
+    assert (stream.frames.interval, stream.frames.frame_s) == (2, 0.04)
