@@ -413,3 +413,18 @@ def test_a_configured_prefill_budget_wins_over_the_measured_one():
     assert said[-1].startswith("Prefill budget beside decoding requests: 128 tokens, the largest chunk that keeps a step of 12")
     unset.step_ms = []  # a variant that times no steps (fp32, int8, bf16)
     assert unset._choose_prefill_budget(said.append) == 32 and "no step times measured" in said[-1]
+
+
+@pytest.mark.parametrize("sharpness, top_p", [(8.0, 0.9), (8.0, 0.5), (0.1, 0.9), (0.1, 0.999), (3.0, 1e-6)])
+def test_nucleus_filtering_keeps_what_a_sort_of_the_whole_vocabulary_keeps(sharpness, top_p):
+    """The likeliest 64 tokens are looked at first, the whole vocabulary when the nucleus reaches past
+    them (a flat distribution): the kept probabilities are those of a full sort either way."""
+    from inference.engine.owned.sampler import _nucleus
+
+    generator = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(49152, generator=generator) * sharpness, dim=-1)
+    ordered, order = probs.sort(descending=True)
+    ordered[(ordered.cumsum(-1) - ordered) >= top_p] = 0
+    expected = torch.zeros_like(probs).scatter_(-1, order, ordered)
+    kept = _nucleus(probs.clone(), top_p)
+    assert torch.equal(kept, expected) and int((kept > 0).sum()) >= 1

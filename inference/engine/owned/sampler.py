@@ -53,9 +53,18 @@ def _sample(logits: torch.Tensor, seq: Sequence) -> int:
     return int(torch.multinomial(probs, 1, generator=seq.generator))
 
 
+# Nucleus filtering looks at the most likely tokens first: sorting all 49,152 probabilities every
+# step cost a lone sampled request ~6 ms a token on 2 cores (11.3-11.9 against 5.1-5.7 greedy), and
+# a model's nucleus almost always lies within its top few dozen tokens. Where it does not (a flat
+# distribution, a top_p near 1), the whole vocabulary is sorted as before.
+NUCLEUS_CANDIDATES = 64
+
+
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the most likely tokens whose mass reaches top_p (always at least one)."""
-    ordered, order = probs.sort(descending=True)
+    ordered, order = probs.topk(min(NUCLEUS_CANDIDATES, probs.numel()))  # the likeliest, in order
+    if float(ordered.sum()) < top_p:  # the nucleus reaches past them
+        ordered, order = probs.sort(descending=True)
     before = ordered.cumsum(-1) - ordered  # the mass of the tokens more likely than each one
     ordered[before >= top_p] = 0
     return torch.zeros_like(probs).scatter_(-1, order, ordered)
