@@ -50,7 +50,17 @@ def _sample(logits: torch.Tensor, seq: Sequence) -> int:
         probs = _nucleus(probs, sampling.top_p)
     if seq.generator is None:
         seq.generator = new_generator(sampling.seed, logits.device)
-    return int(torch.multinomial(probs, 1, generator=seq.generator))
+    return draw(probs, seq.generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One index drawn with probability proportional to `probs` (zeros never), by inverting the
+    cumulative sum at a uniform point: torch.multinomial took ~0.9 ms for one draw from 49,152
+    entries on a 2-core Xeon, most of a sampled token's extra time."""
+    cumulative = probs.cumsum(-1)
+    point = torch.rand((), generator=generator, device=probs.device) * cumulative[-1]
+    # The first entry whose running total passes the point: its own probability is above zero.
+    return min(int(torch.searchsorted(cumulative, point, right=True)), probs.numel() - 1)
 
 
 # Nucleus filtering looks at the most likely tokens first: sorting all 49,152 probabilities every
