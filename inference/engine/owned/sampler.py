@@ -64,8 +64,9 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 # Nucleus filtering looks at the most likely tokens first: sorting all 49,152 probabilities every
-# step cost a lone sampled request ~6 ms a token on 2 cores (11.3-11.9 against 5.1-5.7 greedy), and
-# a model's nucleus almost always lies within its top few dozen tokens. Where it does not (a flat
+# step (with torch.multinomial's draw, see draw) cost a lone sampled request ~6 ms a token on 2 cores
+# (11.3-11.9 against 5.1-5.7 greedy), and a model's nucleus almost always lies within its top few
+# dozen tokens. Where it does not (a flat
 # distribution, a top_p near 1), the whole vocabulary is sorted as before.
 NUCLEUS_CANDIDATES = 64
 
