@@ -428,18 +428,3 @@ def test_nucleus_filtering_keeps_what_a_sort_of_the_whole_vocabulary_keeps(sharp
     expected = torch.zeros_like(probs).scatter_(-1, order, ordered)
     kept = _nucleus(probs.clone(), top_p)
     assert torch.equal(kept, expected) and int((kept > 0).sum()) >= 1
-
-
-def test_a_draw_follows_the_probabilities_and_never_takes_a_zero():
-    from inference.engine.owned.sampler import draw, new_generator
-
-    probs = torch.tensor([0.5, 0.0, 0.2, 0.0, 0.3])
-    generator = new_generator(11, "cpu")
-    counts = torch.bincount(torch.tensor([draw(probs, generator) for _ in range(6000)]), minlength=5)
-    assert counts[1] == 0 and counts[3] == 0
-    assert torch.allclose(counts.float() / 6000, probs, atol=0.03), counts
-    again = new_generator(11, "cpu")
-    replay = [draw(probs, again) for _ in range(50)]
-    generator = new_generator(11, "cpu")
-    assert replay == [draw(probs, generator) for _ in range(50)]  # a seed gives the same draws
-    assert draw(torch.tensor([0.0, 0.0, 1.0]), generator) == 2  # all the mass on the last entry
