@@ -385,8 +385,8 @@ CEILING_MAX_RUNNING = envint("CEILING_MAX_RUNNING", None, minimum=0)
 # position and the cache's memory (a lone token at 2,000 positions 15.0 → 10.7 ms), but it has not been
 # shown no slower for the short chats a demo starts with (docs/engine.md, "KV cache in fp16").
 CEILING_KV_DTYPE = envstr("CEILING_KV_DTYPE", "float32")
-if CEILING_KV_DTYPE not in ("float32", "float16"):
-    raise ImproperlyConfigured(f"CEILING_KV_DTYPE={CEILING_KV_DTYPE!r} is not one of float32, float16")
+if CEILING_KV_DTYPE not in ("float32", "float16", "int8"):
+    raise ImproperlyConfigured(f"CEILING_KV_DTYPE={CEILING_KV_DTYPE!r} is not one of float32, float16, int8")
 CEILING_PREFIX_SHARING = envbool("CEILING_PREFIX_SHARING", True)
 # "varlen" (per-request attention, inference/engine/patches/attention.py) or "sdpa" (transformers' own); CPU only.
 # Which loop runs decode steps: "owned", Ceiling's own (inference/engine/owned/: scheduler, paged KV

@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from inference.engine import kernels
 from inference.engine.owned import stack
+from inference.engine.owned.kv import from_cache
 from inference.engine.owned.manager import OwnedManager
 from inference.engine.owned.runner import ModelRunner
 from inference.engine.owned.scheduler import PrefillChunk, StepPlan
@@ -94,12 +95,13 @@ def test_a_stacked_step_computes_what_the_eager_step_computes(family, lengths, r
     assert_stacked_steps_match_eager(request.getfixturevalue(family), lengths)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.int8], ids=["fp16", "int8"])
 @pytest.mark.parametrize("lengths", [[37], [5, 40, 17]])
-def test_a_stacked_step_on_an_fp16_cache_computes_what_the_eager_step_computes(lengths, llama):
-    assert_stacked_steps_match_eager(llama, lengths, kv_dtype=torch.float16)
+def test_a_stacked_step_on_a_narrower_cache_computes_what_the_eager_step_computes(lengths, kv_dtype, llama):
+    assert_stacked_steps_match_eager(llama, lengths, kv_dtype=kv_dtype)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.int8], ids=["fp32", "fp16", "int8"])
 @pytest.mark.parametrize("lengths", [[300], [400, 1], [260, 90, 3]])
 def test_long_rows_attended_in_parts_compute_what_the_eager_step_computes(lengths, kv_dtype, llama, two_threads):
     # A step of few rows past 256 positions cuts each row's attention into parts, combined after
@@ -142,8 +144,8 @@ def assert_stacked_steps_match_eager(model: nn.Module, lengths: list[int], kv_dt
         # ~1% with its input scaled by 1 + 1e-6. Over 8 seeds of these models: logits ≤ 3.3% apart,
         # caches ≤ 0.6%; leaving out the q|k|v bias moved them 26-100%.
         assert relative_error(got, eager) < 0.06
-        assert max(relative_error(cache, expected) for cache, expected in
-                   zip(runner.k_cache + runner.v_cache, eager_caches, strict=True)) < 0.02
+        assert max(relative_error(from_cache(cache, torch.float32), from_cache(expected, torch.float32))
+                   for cache, expected in zip(runner.k_cache + runner.v_cache, eager_caches, strict=True)) < 0.02
         before = caches_of(runner)
         for seq, row in zip(seqs, eager, strict=True):
             seq.append(int(row.argmax()))

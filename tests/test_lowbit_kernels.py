@@ -195,14 +195,17 @@ def test_the_narrower_instruction_paths_compute_the_same_products(path, tmp_path
         "for shape in ((1, 300, 9, 3), (4, 77, 9, 3), (2, 40, 16, 2)):\n"
         "    attention.test_the_kernel_computes_the_gathered_attention(*shape)\n"
         "    attention.test_the_kernel_reads_an_fp16_cache_as_the_same_values_widened(*shape)\n"
+        "    attention.test_the_kernel_reads_an_int8_cache_as_its_codes_times_their_scales(*shape)\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "from tests import test_decode_stack as stacked\n"
         "model = stacked.four_bit_model(lambda: LlamaForCausalLM(LlamaConfig(**stacked.SHAPE)))\n"
         "stacked.assert_stacked_steps_match_eager(model, [5, 40, 17])\n"
         "stacked.assert_stacked_steps_match_eager(model, [5, 40, 17], kv_dtype=torch.float16)\n"
+        "stacked.assert_stacked_steps_match_eager(model, [5, 40, 17], kv_dtype=torch.int8)\n"
         "torch.set_num_threads(max(2, torch.get_num_threads()))\n"
         "stacked.assert_stacked_steps_match_eager(model, [400, 1], blocks=stacked.LONG_BLOCKS)\n"
         "stacked.assert_stacked_steps_match_eager(model, [300], kv_dtype=torch.float16, blocks=stacked.LONG_BLOCKS)\n"
+        "stacked.assert_stacked_steps_match_eager(model, [300], kv_dtype=torch.int8, blocks=stacked.LONG_BLOCKS)\n"
         "print('all equal')\n"
     )
     finished = subprocess.run([sys.executable, "-c", script], cwd=REPOSITORY, capture_output=True, text=True,

@@ -15,7 +15,7 @@ FINISH_CANCELLED = "cancelled"
 FINISH_ERROR = "error"
 
 
-KV_DTYPE_NAMES = ("float32", "float16")
+KV_DTYPE_NAMES = ("float32", "float16", "int8")
 
 
 class EngineError(RuntimeError):

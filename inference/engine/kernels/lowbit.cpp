@@ -31,6 +31,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -514,14 +516,33 @@ constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2High = 0.693145751953125f, kLn2Low = 1.428606765330187e-06f;  // ln2 split in two for exactness
 constexpr float kExpTaylor[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};  // f^7 … f^0
 
-// The KV cache holds fp32 or fp16 (at::Half) values: attention reads either, always computing in
-// fp32. fp16 halves the bytes a step reads per cached position (a lone SmolLM2 row at 2,000 positions
-// reads as much fp32 cache as 4-bit weights); its 10-bit mantissa rounds each key and value once,
-// when it is written.
+// The KV cache holds fp32, fp16 (at::Half) or int8 values: attention reads each, always computing
+// in fp32. fp16 halves the bytes a step reads per cached position (a lone SmolLM2 row at 2,000
+// positions reads as much fp32 cache as 4-bit weights); its 10-bit mantissa rounds each key and
+// value once, when it is written. int8 halves them again: each (slot, KV head) row is dim codes
+// q = round(x / s) in -127…127 and then its scale s = max|x| / 127 as 4 bytes of fp32, so a head's
+// row is dim + 4 bytes (kInt8ScaleBytes) and a slot kv_heads of them; x ≈ s·q, off by at most s/2
+// (inference/engine/owned/kv.py writes the same codes from Python: the same rounding, the same scale).
+constexpr int64_t kInt8ScaleBytes = 4;
 inline float as_float(float x) { return x; }
 inline float as_float(at::Half x) { return static_cast<float>(x); }
+inline float as_float(int8_t x) { return static_cast<float>(x); }
 
-// dim values from fp32 into the cache's type (round to nearest even for fp16).
+// Elements from one (slot, KV head) row of the cache to the next head's: dim, and for int8 its scale too.
+template <typename T>
+constexpr int64_t head_stride(int64_t dim) { return std::is_same_v<T, int8_t> ? dim + kInt8ScaleBytes : dim; }
+
+// What a row's values are multiplied by: its stored scale for int8, 1 for fp32 and fp16 (folded away).
+inline float row_scale(const float*, int64_t) { return 1.f; }
+inline float row_scale(const at::Half*, int64_t) { return 1.f; }
+inline float row_scale(const int8_t* row, int64_t dim) {
+  float scale;
+  std::memcpy(&scale, row + dim, sizeof scale);  // 4 bytes after the codes, not aligned
+  return scale;
+}
+
+// dim values from fp32 into one (slot, KV head) row of the cache's type (round to nearest even for
+// fp16 and for int8's codes).
 inline void store_kv(float* target, const float* source, int64_t dim) { std::copy_n(source, dim, target); }
 inline void store_kv(at::Half* target, const float* source, int64_t dim) {
   int64_t i = 0;
@@ -531,6 +552,14 @@ inline void store_kv(at::Half* target, const float* source, int64_t dim) {
                      _mm256_cvtps_ph(_mm256_loadu_ps(source + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
   for (; i < dim; ++i) target[i] = at::Half(source[i]);
+}
+inline void store_kv(int8_t* target, const float* source, int64_t dim) {
+  float largest = 0.f;
+  for (int64_t i = 0; i < dim; ++i) largest = std::max(largest, std::abs(source[i]));
+  const float scale = largest / 127.f, inverse = largest > 0.f ? 127.f / largest : 0.f;
+  for (int64_t i = 0; i < dim; ++i)
+    target[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(source[i] * inverse))));
+  std::memcpy(target + dim, &scale, sizeof scale);
 }
 
 // How far ahead (in positions) attention asks for the keys and values it will read. The cache's
@@ -568,6 +597,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 
 // The horizontal sums of 16 vectors as one: lane j = Σ of v[j]'s lanes. A transpose folded into
 // the additions, 45 instructions where 16 separate horizontal sums take ~130 (a score is one
@@ -601,6 +633,9 @@ void attend_64(const float* q, const T* keys, const T* values, int64_t stride, c
   for (; tiled + 16 <= seen; tiled += 16) {  // 16 positions at a time, each head's scores summed together
     const T* tile[16];
     for (int j = 0; j < 16; ++j) tile[j] = keys + slots[tiled + j] * stride;
+    float key_scales[16];  // int8 rows' scales (unused for fp32 and fp16)
+    if constexpr (std::is_same_v<T, int8_t>)
+      for (int j = 0; j < 16; ++j) key_scales[j] = row_scale(tile[j], 64);
     for (int64_t j = tiled + kAttentionPrefetch; j < std::min(seen, tiled + kAttentionPrefetch + 16); ++j)
       prefetch_values(keys + slots[j] * stride, prefetch);
     for (int64_t h = 0; h < G; ++h) {
@@ -611,7 +646,9 @@ void attend_64(const float* q, const T* keys, const T* values, int64_t stride, c
         a = _mm512_fmadd_ps(qv[h][2], load16(tile[j] + 32), a);
         dots[j] = _mm512_fmadd_ps(qv[h][3], load16(tile[j] + 48), a);
       }
-      _mm512_storeu_ps(scores + h * ld_scores + tiled, sums_of_16(dots));
+      __m512 tile_scores = sums_of_16(dots);
+      if constexpr (std::is_same_v<T, int8_t>) tile_scores = _mm512_mul_ps(tile_scores, _mm512_loadu_ps(key_scales));
+      _mm512_storeu_ps(scores + h * ld_scores + tiled, tile_scores);
     }
   }
   for (int64_t t = tiled; t < seen; ++t) {
@@ -623,7 +660,7 @@ void attend_64(const float* q, const T* keys, const T* values, int64_t stride, c
       a = _mm512_fmadd_ps(qv[h][1], k1, a);
       a = _mm512_fmadd_ps(qv[h][2], k2, a);
       a = _mm512_fmadd_ps(qv[h][3], k3, a);
-      scores[h * ld_scores + t] = _mm512_reduce_add_ps(a);
+      scores[h * ld_scores + t] = _mm512_reduce_add_ps(a) * row_scale(key, 64);
     }
   }
   __m512 total[G][4];
@@ -652,8 +689,9 @@ void attend_64(const float* q, const T* keys, const T* values, int64_t stride, c
     if (t + kAttentionPrefetch < seen) prefetch_values(values + slots[t + kAttentionPrefetch] * stride, prefetch);
     const __m512 v0 = load16(value), v1 = load16(value + 16);
     const __m512 v2 = load16(value + 32), v3 = load16(value + 48);
+    const float value_scale = row_scale(value, 64);
     for (int64_t h = 0; h < G; ++h) {
-      const __m512 w = _mm512_set1_ps(scores[h * ld_scores + t]);
+      const __m512 w = _mm512_set1_ps(scores[h * ld_scores + t] * value_scale);
       total[h][0] = _mm512_fmadd_ps(w, v0, total[h][0]);
       total[h][1] = _mm512_fmadd_ps(w, v1, total[h][1]);
       total[h][2] = _mm512_fmadd_ps(w, v2, total[h][2]);
@@ -680,6 +718,9 @@ inline __m256 exp_ps(__m256 x) {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 
 // attend_one_kv_head for heads of 64 and G query heads per KV head, 8 lanes at a time: a head is
 // 8 vectors, too many to keep G of them in 16 registers, so the (scaled) queries are read from L1.
@@ -701,7 +742,7 @@ void attend_64(const float* q, const T* keys, const T* values, int64_t stride, c
         a = _mm256_fmadd_ps(_mm256_load_ps(head + i * 8), k[i], a);
         b = _mm256_fmadd_ps(_mm256_load_ps(head + i * 8 + 8), k[i + 1], b);
       }
-      scores[h * ld_scores + t] = reduce_add(_mm256_add_ps(a, b));
+      scores[h * ld_scores + t] = reduce_add(_mm256_add_ps(a, b)) * row_scale(key, 64);
     }
   }
   for (int64_t h = 0; h < G; ++h) {
@@ -731,7 +772,7 @@ void attend_64(const float* q, const T* keys, const T* values, int64_t stride, c
       const T* value = values + slots[t] * stride;
       if (h == 0 && t + kAttentionPrefetch < seen)  // the next heads find them in the cache
         prefetch_values(values + slots[t + kAttentionPrefetch] * stride, prefetch);
-      const __m256 w = _mm256_set1_ps(score[t] * inverse);
+      const __m256 w = _mm256_set1_ps(score[t] * inverse * row_scale(value, 64));
       for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, load8(value + i * 8), acc[i]);
     }
     for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + h * 64 + i * 8, acc[i]);
@@ -767,7 +808,7 @@ void attend_one_kv_head(const float* q, const T* keys, const T* values, int64_t 
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
       for (int64_t d = 0; d < dim; ++d) dot += q_head[d] * as_float(key[d]);
-      scores[h * ld_scores + t] = dot * scale;
+      scores[h * ld_scores + t] = dot * scale * row_scale(key, dim);
     }
   }
   for (int64_t h = 0; h < group; ++h) {
@@ -781,7 +822,7 @@ void attend_one_kv_head(const float* q, const T* keys, const T* values, int64_t 
     std::fill_n(total, dim, 0.f);
     for (int64_t t = 0; t < seen; ++t) {
       const T* value = values + slots[t] * stride;
-      const float weight = score[t] * inverse;
+      const float weight = score[t] * inverse * row_scale(value, dim);
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d) total[d] += weight * as_float(value[d]);
     }
@@ -842,7 +883,7 @@ template <typename T>
 void attend_rows(const float* query, int64_t q_row_stride, const T* keys, const T* values, int64_t kv_heads,
                  int64_t heads, int64_t dim, const int64_t* slot, int64_t positions, const int64_t* length,
                  int64_t rows, float* result) {
-  const int64_t group = heads / kv_heads;
+  const int64_t group = heads / kv_heads, stride = head_stride<T>(dim);
   const float scale = 1.f / std::sqrt(static_cast<float>(dim));
   // Threads only for enough positions to pay for waking them: a lone row's few hundred take ~10 µs.
   const int64_t grain = std::max<int64_t>(1, kAttentionGrain / std::max<int64_t>(1, positions));
@@ -850,9 +891,9 @@ void attend_rows(const float* query, int64_t q_row_stride, const T* keys, const 
     std::vector<float> scores(group * positions);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, g = task % kv_heads;
-      attend_one_kv_head(query + r * q_row_stride + g * group * dim, keys + g * dim, values + g * dim, kv_heads * dim,
-                         slot + r * positions, length[r], group, dim, scale, scores.data(), positions,
-                         result + r * heads * dim + g * group * dim, nullptr, dim);
+      attend_one_kv_head(query + r * q_row_stride + g * group * dim, keys + g * stride, values + g * stride,
+                         kv_heads * stride, slot + r * positions, length[r], group, dim, scale, scores.data(), positions,
+                         result + r * heads * dim + g * group * dim, nullptr, stride);
     }
   });
 }
@@ -868,11 +909,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "decode_attention: q must be a contiguous [rows, heads, head_dim] float32 tensor");
   const auto cache_type = k_cache.scalar_type();
-  TORCH_CHECK(k_cache.dim() == 3 && (cache_type == at::kFloat || cache_type == at::kHalf) && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == cache_type && v_cache.is_contiguous(),
-              "decode_attention: the caches must be contiguous [slots, kv_heads, head_dim] float32 or float16 tensors");
+  TORCH_CHECK(k_cache.dim() == 3 && (cache_type == at::kFloat || cache_type == at::kHalf || cache_type == at::kChar) &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == cache_type &&
+                  v_cache.is_contiguous(),
+              "decode_attention: the caches must be contiguous [slots, kv_heads, head_dim] float32 or float16 tensors, "
+              "or [slots, kv_heads, head_dim + 4] int8 ones");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == dim && heads % kv_heads == 0,
+  const int64_t row_width = cache_type == at::kChar ? head_stride<int8_t>(dim) : dim;
+  TORCH_CHECK(k_cache.size(2) == row_width && heads % kv_heads == 0,
               "decode_attention: head_dim differs or heads are not a multiple of kv_heads");
   TORCH_CHECK(slots.dim() == 2 && slots.size(0) == rows && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   lengths.dim() == 1 && lengths.size(0) == rows && lengths.scalar_type() == at::kLong &&
@@ -891,6 +935,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   }
   if (cache_type == at::kHalf)
     attend_rows(q.data_ptr<float>(), heads * dim, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(),
+                kv_heads, heads, dim, slot, positions, length, rows, out.data_ptr<float>());
+  else if (cache_type == at::kChar)
+    attend_rows(q.data_ptr<float>(), heads * dim, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
                 kv_heads, heads, dim, slot, positions, length, rows, out.data_ptr<float>());
   else
     attend_rows(q.data_ptr<float>(), heads * dim, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), kv_heads,
@@ -1052,15 +1099,17 @@ class DecodeStack : public torch::CustomClassHolder {
                     down_codes.size(1) * 2 == gate_up_codes.size(0) / 2 && down_codes.size(0) == hidden_,
                 "DecodeStack: gate|up must map hidden to 2·intermediate, down intermediate to hidden");
     const auto cache_type = k_cache.scalar_type();
-    TORCH_CHECK(k_cache.dim() == 3 && (cache_type == at::kFloat || cache_type == at::kHalf) &&
+    const int64_t row_width = cache_type == at::kChar ? head_stride<int8_t>(dim_) : dim_;
+    TORCH_CHECK(k_cache.dim() == 3 && (cache_type == at::kFloat || cache_type == at::kHalf || cache_type == at::kChar) &&
                     k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                     v_cache.scalar_type() == cache_type && v_cache.is_contiguous() && k_cache.size(1) == kv_heads_ &&
-                    k_cache.size(2) == dim_,
-                "DecodeStack: the caches must be contiguous [slots, kv_heads, head_dim] float32 or float16 tensors");
+                    k_cache.size(2) == row_width,
+                "DecodeStack: the caches must be contiguous [slots, kv_heads, head_dim] float32 or float16 tensors, "
+                "or [slots, kv_heads, head_dim + 4] int8 ones");
     TORCH_CHECK(layers_.empty() || (k_cache.size(0) == layers_.front().k_cache.size(0) &&
                                     cache_type == layers_.front().k_cache.scalar_type()),
                 "DecodeStack: every layer's cache must hold the same slots, of the same type");
-    half_cache_ = cache_type == at::kHalf;
+    cache_type_ = cache_type;
     TORCH_CHECK(layers_.empty() || down_codes.size(1) == layers_.front().down.codes.size(1),
                 "DecodeStack: every layer must have the same intermediate size");
     const at::Tensor no_bias = at::empty({0}, embed_.options());  // only q|k|v carries one (Qwen2's)
@@ -1160,11 +1209,13 @@ class DecodeStack : public torch::CustomClassHolder {
             rotate_heads(row + g * group * dim, group, dim, cos + position * dim, sin + position * dim);
             rotate_heads(key, 1, dim, cos + position * dim, sin + position * dim);
             const auto write_and_attend = [&](auto* keys, auto* values) {
-              store_kv(keys + slot * kv_width + g * dim, key, dim);
-              store_kv(values + slot * kv_width + g * dim, value, dim);
-              attend_one_kv_head(row + g * group * dim, keys + g * dim, values + g * dim, kv_width,
+              const int64_t stride = head_stride<std::remove_pointer_t<decltype(keys)>>(dim);
+              const int64_t slot_width = kv_heads_ * stride;
+              store_kv(keys + slot * slot_width + g * stride, key, dim);
+              store_kv(values + slot * slot_width + g * stride, value, dim);
+              attend_one_kv_head(row + g * group * dim, keys + g * stride, values + g * stride, slot_width,
                                  slots.data() + r * longest, length[r], group, dim, scale, own_scores, longest,
-                                 attended.data() + r * q_width + g * group * dim, nullptr, dim);
+                                 attended.data() + r * q_width + g * group * dim, nullptr, stride);
             };
             with_cache(layer, write_and_attend);
           }  // the loop's own barrier: every head attended
@@ -1194,11 +1245,13 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
-  // Calls attend(keys, values) with the layer's caches as the type they hold (fp16 or fp32).
+  // Calls attend(keys, values) with the layer's caches as the type they hold (fp32, fp16 or int8).
   template <typename Attend>
   void with_cache(const StackLayer& layer, Attend&& attend) const {
-    if (half_cache_)
+    if (cache_type_ == at::kHalf)
       attend(static_cast<at::Half*>(layer.k_values), static_cast<at::Half*>(layer.v_values));
+    else if (cache_type_ == at::kChar)
+      attend(static_cast<int8_t*>(layer.k_values), static_cast<int8_t*>(layer.v_values));
     else
       attend(static_cast<float*>(layer.k_values), static_cast<float*>(layer.v_values));
   }
@@ -1233,17 +1286,21 @@ class DecodeStack : public torch::CustomClassHolder {
       std::copy_n(row, q_width, query);
       rotate_heads(query, heads_, dim, cos + position * dim, sin + position * dim);
       const auto write_and_attend = [&](auto* keys, auto* values) {
+        const int64_t stride = head_stride<std::remove_pointer_t<decltype(keys)>>(dim);
+        const int64_t slot_width = kv_heads_ * stride;
         if (begin <= position && position < end) {
           const int64_t slot = slots[r * longest + position];
           rotate_heads(row + q_width, kv_heads_, dim, cos + position * dim, sin + position * dim);
-          store_kv(keys + slot * kv_width, row + q_width, kv_width);
-          store_kv(values + slot * kv_width, row + q_width + kv_width, kv_width);
+          for (int64_t g = 0; g < kv_heads_; ++g) {
+            store_kv(keys + slot * slot_width + g * stride, row + q_width + g * dim, dim);
+            store_kv(values + slot * slot_width + g * stride, row + q_width + kv_width + g * dim, dim);
+          }
         }
         for (int64_t g = 0; g < kv_heads_; ++g)
-          attend_one_kv_head(query + g * group * dim, keys + g * dim, values + g * dim, kv_width,
+          attend_one_kv_head(query + g * group * dim, keys + g * stride, values + g * stride, slot_width,
                              slots + r * longest + begin, end - begin, group, dim, scale, scores, longest,
                              part_out + output(g) * group * dim, part_stats + output(g) * group * 2,
-                             dim);
+                             stride);
       };
       with_cache(layer, write_and_attend);
     }
@@ -1284,7 +1341,7 @@ class DecodeStack : public torch::CustomClassHolder {
   const float* final_norm_values_ = nullptr;
   int64_t heads_, kv_heads_, page_, hidden_ = 0, dim_ = 0;
   float eps_;
-  bool half_cache_ = false;  // the layers' caches hold fp16
+  at::ScalarType cache_type_ = at::kFloat;  // what the layers' caches hold: fp32, fp16 or int8
   std::vector<StackLayer> layers_;
 };
 

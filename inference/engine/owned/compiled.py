@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..measured import KeptMeasurements, kept_note
+from .kv import from_cache, row_width, to_cache
 from .rows import DecodeRow, decode_arguments, rotate
 
 log = logging.getLogger(__name__)
@@ -114,13 +115,13 @@ def decode_step_function(runner) -> Callable:
             qkv = layer.qkv(x).view(rows, heads + 2 * kv_heads, head_dim)
             qk = rotate(qkv[:, : heads + kv_heads], cos, sin)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
-            k_cache[write_slots] = k.to(k_cache.dtype)
-            v_cache[write_slots] = v.to(v_cache.dtype)
+            k_cache[write_slots] = to_cache(k, k_cache.dtype)
+            v_cache[write_slots] = to_cache(v, v_cache.dtype)
             if paged_attention:
                 attended = torch.ops.ceiling.decode_attention(q.contiguous(), k_cache, v_cache, read_slots, lengths)
             else:
-                keys = k_cache[read_slots].transpose(1, 2).to(q.dtype)  # [B, kv_heads, L, head_dim]
-                values = v_cache[read_slots].transpose(1, 2).to(q.dtype)
+                keys = from_cache(k_cache[read_slots], q.dtype).transpose(1, 2)  # [B, kv_heads, L, head_dim]
+                values = from_cache(v_cache[read_slots], q.dtype).transpose(1, 2)
                 queries = q.unsqueeze(2)  # [B, heads, 1, head_dim]
                 attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
             hidden = hidden + layer.o(attended.reshape(rows, -1).to(hidden.dtype))
@@ -217,8 +218,8 @@ class DecodeCompiler:
                                  options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         # A scratch cache of the live one's layout (one spare block, as runner.py's): the live cache
         # holds other requests' KV.
-        shape = ((_scratch_blocks(runner) + 1) * runner.page_size, runner.kv_heads, runner.head_dim)
         dtype = runner.k_cache[0].dtype
+        shape = ((_scratch_blocks(runner) + 1) * runner.page_size, runner.kv_heads, row_width(runner.head_dim, dtype))
         # Allocated outside inference mode, as the live cache is: dynamo guards on the dispatch keys,
         # and an inference tensor's differ from a normal one's (every live step would recompile).
         with torch.inference_mode(False):

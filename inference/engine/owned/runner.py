@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..patches.fusion import fuse_linears
+from .kv import from_cache, row_width, to_cache
 from .rows import DecodeRow, cache_slots, decode_arguments, rotate
 from .scheduler import StepPlan
 
@@ -114,7 +115,7 @@ class ModelRunner:
         slots = num_blocks * page_size
         # One block more than the block manager hands out: the scratch block that a compiled decode
         # step's padding rows write to (compiled.decode_arguments).
-        shape = (slots + page_size, self.kv_heads, self.head_dim)
+        shape = (slots + page_size, self.kv_heads, row_width(self.head_dim, self.kv_dtype))
         self.k_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.layers]
         self.cos, self.sin = self._rotary_table(core, min(slots, config.max_position_embeddings))
@@ -173,8 +174,8 @@ class ModelRunner:
         qk = rotate(qkv[:, : heads + kv_heads], batch.cos, batch.sin)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         k_cache, v_cache = self.k_cache[index], self.v_cache[index]
-        k_cache.index_copy_(0, batch.write_slots, k.to(self.kv_dtype))
-        v_cache.index_copy_(0, batch.write_slots, v.to(self.kv_dtype))
+        k_cache.index_copy_(0, batch.write_slots, to_cache(k, self.kv_dtype))
+        v_cache.index_copy_(0, batch.write_slots, to_cache(v, self.kv_dtype))
         attended = self._attention(q, k_cache, v_cache, batch)
         hidden = hidden + layer.o(attended)
         x = F.rms_norm(hidden, (self.hidden,), layer.post_norm, self.eps)
@@ -193,14 +194,15 @@ class ModelRunner:
             keys, values = k_cache[batch.decode_slots], v_cache[batch.decode_slots]  # [B, L, …] or [L, …] alone
             if count == 1:
                 keys, values = keys.unsqueeze(0), values.unsqueeze(0)
-            keys, values = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)  # [B, kv_heads, L, head_dim]
+            keys, values = from_cache(keys, q.dtype).transpose(1, 2), from_cache(values, q.dtype).transpose(1, 2)  # [B, kv_heads, L, head_dim]
             queries = q[:count].unsqueeze(2)  # [B, heads, 1, head_dim]
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.decode_mask, enable_gqa=True)
             parts.append(out.reshape(count, -1))
         for start, end, slots, mask in batch.chunks:
-            # [1, kv_heads, L, head_dim], in the activations' dtype (an fp16 cache is widened: CPU SDPA in fp16 is slow)
-            keys = k_cache[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            values = v_cache[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            # [1, kv_heads, L, head_dim], in the activations' dtype (an fp16 cache is widened: CPU SDPA in
+            # fp16 is slow; an int8 one is decoded)
+            keys = from_cache(k_cache[slots], q.dtype).transpose(0, 1).unsqueeze(0)
+            values = from_cache(v_cache[slots], q.dtype).transpose(0, 1).unsqueeze(0)
             queries = q[start:end].transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
@@ -210,12 +212,12 @@ class ModelRunner:
         return attended.to(q.dtype)
 
 
-KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
 
 
 def cache_dtype(activations: torch.dtype, device: torch.device, asked: torch.dtype | None) -> torch.dtype:
     """The KV cache's dtype: the one asked for where the activations are fp32 on a CPU (the kernels
-    read fp32 or fp16 there), else the activations' own (a GPU's bf16 model keeps a bf16 cache)."""
+    read fp32, fp16 or int8 there: kv.py), else the activations' own (a GPU's bf16 model keeps a bf16 cache)."""
     if asked is None or activations != torch.float32 or device.type != "cpu":
         return activations
     return asked

@@ -8,7 +8,7 @@ layer's 4-bit weights, norms and KV cache once and runs the norms, rotary, cache
 attention and activation itself, the whole step in one parallel region (torch's threads woken once
 a step, meeting at a barrier after each product, not forked and joined ~150 times).
 
-It serves an engine whose block linears are all on Ceiling's 4-bit kernels with an fp32 cache
+It serves an engine whose block linears are all on Ceiling's 4-bit kernels with an fp32, fp16 or int8 cache
 (the q4 variant on a CPU), for decode-only steps of up to the rows the 4-bit route was measured
 to win (`q4_max_rows`): the same kernels those steps' linears would call, so the same arithmetic
 up to the rounding of its norms, rotary and SiLU (tests/test_decode_stack.py says how close).

@@ -20,7 +20,7 @@ from inference.engine.bench.measure import BenchError, machine_facts, measured_f
 from inference.engine.bench.modes import run_in_child
 from inference.engine.bench.peer import run_peer
 from inference.engine.bench.workload import WorkloadSpec, describe, mixed_workload
-from inference.engine.config import step_limits
+from inference.engine.config import KV_DTYPE_NAMES, step_limits
 from inference.engine.patches.quantization import MODES
 from inference.engines import model_dir
 
@@ -63,7 +63,7 @@ class Command(DatabaseCommand):
         parser.add_argument("--max-running", type=int, default=settings.CEILING_MAX_RUNNING,
                             help="requests in the engine's running batch at once, 0 for no limit (default: CEILING_MAX_RUNNING, else 12 "
                                  "on a CPU)")
-        parser.add_argument("--kv-dtype", choices=("float32", "float16"), default=settings.CEILING_KV_DTYPE,
+        parser.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, default=settings.CEILING_KV_DTYPE,
                             help="the KV cache's dtype on a CPU (CEILING_KV_DTYPE)")
         parser.add_argument("--q4-wide-bf16", action=argparse.BooleanOptionalAction, default=settings.CEILING_Q4_WIDE_BF16,
                             help="the q4 variant's wide steps on a bf16 copy where it measures faster (CEILING_Q4_WIDE_BF16)")

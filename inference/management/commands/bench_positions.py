@@ -24,7 +24,7 @@ class Command(BaseCommand):
         parser.add_argument("--positions", default=",".join(map(str, DEFAULT_POSITIONS)),
                             help="comma-separated context lengths (default %(default)s)")
         parser.add_argument("--kv-dtypes", default=",".join(KV_DTYPE_NAMES),
-                            help="comma-separated, of float32 and float16 (default both)")
+                            help="comma-separated, of float32, float16 and int8 (default all three)")
         parser.add_argument("--tokens", type=int, default=32, help="output tokens timed per request")
         parser.add_argument("--rounds", type=int, default=3)
         parser.add_argument("--quantization", choices=MODES, default="q4")
