@@ -382,8 +382,9 @@ CEILING_MAX_BATCH_TOKENS = envint("CEILING_MAX_BATCH_TOKENS", 512, minimum=16)
 CEILING_PREFILL_BUDGET = envint("CEILING_PREFILL_BUDGET", None, minimum=0)
 CEILING_MAX_RUNNING = envint("CEILING_MAX_RUNNING", None, minimum=0)
 # The KV cache's dtype on a CPU (fp32 activations): float16 halves what a decode step reads per cached
-# position and the cache's memory (a lone token at 2,000 positions 15.0 → 10.7 ms), but it has not been
-# shown no slower for the short chats a demo starts with (docs/engine.md, "KV cache in fp16").
+# position and the cache's memory (a lone token at 2,000 positions 15.0 → 10.7 ms), int8 takes 27% of
+# fp32's bytes (docs/engine.md, "KV cache in int8"); neither has been shown no slower for the short
+# chats a demo starts with (docs/engine.md, "KV cache in fp16").
 CEILING_KV_DTYPE = envstr("CEILING_KV_DTYPE", "float32")
 if CEILING_KV_DTYPE not in ("float32", "float16", "int8"):
     raise ImproperlyConfigured(f"CEILING_KV_DTYPE={CEILING_KV_DTYPE!r} is not one of float32, float16, int8")

@@ -249,11 +249,12 @@ def test_bench_positions_times_each_position_on_each_kv_dtype(tmp_path):
     call_command("bench_positions", "--positions", "0,40", "--tokens", "3", "--rounds", "2", "--quantization", "none",
                  "--json", str(out), stdout=printed)
     result = json.loads(out.read_text())
-    assert [run["kv_dtype"] for run in result["runs"]] == ["float32", "float16"]
+    assert [run["kv_dtype"] for run in result["runs"]] == ["float32", "float16", "int8"]
     for run in result["runs"]:
         assert all(len(times) == 2 and min(times) > 0 for times in run["ms_per_token_runs"].values())
         assert set(run["ms_per_token_median"]) == {"0", "40"} and run["ratio_to_first"]["0"] == 1.0
     assert "float16 cache, median of 2: 0: " in printed.getvalue()
+    assert "int8 cache, median of 2: 0: " in printed.getvalue()
 
 
 def test_bench_positions_refuses_bad_arguments():
