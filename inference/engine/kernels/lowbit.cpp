@@ -843,10 +843,11 @@ void attend_64(const float* q, const T* keys, const T* values, int64_t stride, c
 // The `group` query heads that share one KV head, over one row's `seen` positions (seen ≥ 1):
 // scores (scaled dot products), their softmax, and the weighted sum of the values into
 // out[group, dim]. `keys` and `values` point at this KV head's first dimension of slot 0; a slot's
-// row is `stride` elements (kv_heads head rows: head_stride). With `stats`, each head's largest score and Σ e^(score - largest) go to
-// stats[head, 2], so that attention over a part of the positions can be combined with the rest
-// (combine_parts). `prefetch`: how many values of each slot, from this head's first, to ask for
-// ahead of reading them (this head's row: its dim, and int8's scale; 0 for none).
+// row is `stride` elements (kv_heads head rows of head_stride). With `stats`, each head's largest
+// score and Σ e^(score - largest) go to stats[head, 2], so that attention over a part of the
+// positions can be combined with the rest (combine_parts). `prefetch`: non-zero (callers pass the
+// head row's stride) to ask for each position's head row kAttentionPrefetch positions ahead of
+// reading it, on the 64-wide paths; 0 for none.
 template <typename T>
 void attend_one_kv_head(const float* q, const T* keys, const T* values, int64_t stride, const int64_t* slots,
                         int64_t seen, int64_t group, int64_t dim, float scale, float* scores, int64_t ld_scores,
