@@ -137,30 +137,16 @@ def test_eager_decode_steps_on_the_kernel_answer_as_greedy(model, prompts):  # n
         assert answers[f"r{index}"] == greedy(model, prompt, 16)
 
 
-def test_eager_decode_steps_on_an_fp16_cache_answer_as_greedy(model, prompts):  # noqa: F811
-    """The fp16 cache (CEILING_KV_DTYPE=float16) under chunked prefill and batched decode rows on the
-    kernel: the short prompts' greedy answers are those of fp32 full forward passes."""
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.int8], ids=["fp16", "int8"])
+def test_eager_decode_steps_on_a_narrower_cache_answer_as_greedy(kv_dtype, model, prompts):  # noqa: F811
+    """The fp16 or int8 cache (CEILING_KV_DTYPE) under chunked prefill (rows written by kv.py, read
+    back for SDPA) and batched decode rows on the kernel: the short prompts' greedy answers are those
+    of fp32 full forward passes."""
     manager = OwnedManager(model, num_blocks=64, page_size=16, max_batch_tokens=16, prefix_sharing=True,
-                           paged_attention=True, kv_dtype=torch.float16)
+                           paged_attention=True, kv_dtype=kv_dtype)
     manager.start()
     try:
-        assert manager.runner.k_cache[0].dtype == torch.float16 and manager.runner.paged_attention
-        answers = run_to_the_end(manager, {f"r{i}": p for i, p in enumerate(prompts)}, 16)
-    finally:
-        manager.stop()
-    for index, prompt in enumerate(prompts):
-        assert answers[f"r{index}"] == greedy(model, prompt, 16)
-
-
-def test_eager_decode_steps_on_an_int8_cache_answer_as_greedy(model, prompts):  # noqa: F811
-    """The int8 cache (CEILING_KV_DTYPE=int8) under chunked prefill (rows written by kv.py, read back
-    for SDPA) and batched decode rows on the kernel: the short prompts' greedy answers are those of
-    fp32 full forward passes."""
-    manager = OwnedManager(model, num_blocks=64, page_size=16, max_batch_tokens=16, prefix_sharing=True,
-                           paged_attention=True, kv_dtype=torch.int8)
-    manager.start()
-    try:
-        assert manager.runner.k_cache[0].dtype == torch.int8 and manager.runner.paged_attention
+        assert manager.runner.k_cache[0].dtype == kv_dtype and manager.runner.paged_attention
         answers = run_to_the_end(manager, {f"r{i}": p for i, p in enumerate(prompts)}, 16)
     finally:
         manager.stop()
