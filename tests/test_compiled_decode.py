@@ -115,9 +115,11 @@ def test_a_padded_row_writes_only_the_scratch_block(compiled_manager):
         changed = (after != before).any(dim=(1, 2)).nonzero().flatten().tolist()
         assert set(changed) <= {written, scratch} and written in changed
         # inductor fuses the norms and the rotary into its own loops: the same values to float rounding
-        # grown over the layers before (seen: 7e-5 at values up to 6 on an AVX2 machine), not bit for bit
+        # grown over the layers before, not bit for bit. The growth is steady and deterministic per CPU:
+        # on a Zen 3 EPYC (AVX2) the largest difference went from 7e-8 of the row's scale at layer 1 to
+        # 5.5e-5 at layer 30, past a bound of 5e-5 that had held on Intel; the logits' bound holds here.
         scale = float(expected[written].abs().max())
-        assert torch.allclose(after[written], expected[written], atol=5e-5 * scale, rtol=1e-4)
+        assert torch.allclose(after[written], expected[written], atol=2e-4 * scale, rtol=1e-4)
 
 
 def test_a_shared_prefix_request_goes_through_the_graph(model, prompts):  # noqa: F811
