@@ -7,6 +7,7 @@ what it says it measures.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import statistics
 
@@ -18,7 +19,7 @@ from budgets.models import Feature
 from inference.engine.bench.measure import MODE_KEYS, BenchError, RequestTiming, percentile, summarise
 from inference.engine.bench.peer import run_peer
 from inference.engine.bench.stub_peer import StubPeer
-from inference.engine.bench.workload import WorkloadSpec, mixed_workload
+from inference.engine.bench.workload import WorkloadSpec, labelled, mixed_workload
 from inference.engine.patches.attention import length_buckets, step_plan, varlen_attention
 from inference.management.commands.bench import peer_root
 
@@ -36,6 +37,21 @@ def test_the_workload_is_fixed_by_its_seed_and_long_tailed():
     assert 0.15 < len(shared) / len(first) < 0.35
     assert len({r.messages[0]["content"] for r in shared}) == 1
     assert all(r.arrival_s == 0 for r in first)
+
+
+def test_a_label_changes_every_system_prompt_and_nothing_else():
+    """Each round's prompts are new to every cache (a peer's prompt cache kept the last round's), and
+    the shared-prefix requests of one round still share their system prompt."""
+    requests = mixed_workload(WorkloadSpec(requests=40, seed=5, shared_fraction=0.5))
+    first, second = labelled(requests, "bench ab12 round 1"), labelled(requests, "bench ab12 round 2")
+    for before, one, two in zip(requests, first, second, strict=True):
+        assert one.messages[0]["content"] == "[bench ab12 round 1] " + before.messages[0]["content"]
+        assert one.messages[0]["content"] != two.messages[0]["content"]
+        assert one.messages[1:] == before.messages[1:]  # the user's question as it was
+        assert (one.index, one.output_tokens, one.arrival_s, one.shared_prefix) == (
+            before.index, before.output_tokens, before.arrival_s, before.shared_prefix)
+    assert len({r.messages[0]["content"] for r in first if r.shared_prefix}) == 1
+    assert requests == mixed_workload(WorkloadSpec(requests=40, seed=5, shared_fraction=0.5))  # the originals untouched
 
 
 def test_poisson_arrivals_come_at_the_asked_rate():
@@ -304,6 +320,24 @@ def test_the_peer_mode_replays_the_workload_against_an_openai_server(stub_peer):
     assert sorted(b["max_tokens"] for b in replayed) == sorted(r.output_tokens for r in requests)
     assert all(b["temperature"] == 0 and b["ignore_eos"] is True and b["stream"] is True for b in replayed)
     assert bodies[-1]["max_tokens"] == 64
+    # The warm-up and the lone request leave none of the workload's prompts in the peer's cache.
+    workload_prompts = {json.dumps(r.messages) for r in requests}
+    assert {json.dumps(b["messages"]) for b in replayed} == workload_prompts
+    assert json.dumps(bodies[0]["messages"]) not in workload_prompts and json.dumps(bodies[-1]["messages"]) not in workload_prompts
+
+
+def test_each_round_sends_the_peer_prompts_it_has_not_seen(db, stub_peer, tmp_path):
+    """A peer with a prompt cache answered rounds 2 and 3 of the same burst from it; each round's
+    prompts now carry their own label, and an invocation's labels are its own."""
+    for _ in range(2):
+        call_command("bench", "--modes", "peer", "--peer", stub_peer.url, "--requests", "3", "--max-output-tokens", "4",
+                     "--repeat", "2", "--json", str(tmp_path / "bench.json"), "--html", str(tmp_path / "report.html"),
+                     stdout=io.StringIO())
+    systems = [b["messages"][0]["content"] for b in (received.body for received in stub_peer.received)]
+    assert len(systems) == 2 * 2 * (1 + 3 + 1)  # invocations × rounds × (warm-up, the burst, the lone request)
+    bursts = [set(systems[start + 1: start + 4]) for start in range(0, len(systems), 5)]
+    assert all(not (one & two) for one, two in itertools.combinations(bursts, 2))  # no prompt seen twice
+    assert all(label.startswith("[bench ") for burst in bursts for label in burst)
 
 
 def test_the_remote_mode_sends_one_burst_directly_and_through_the_stack(transactional_db, redis_db, tmp_path):
@@ -351,6 +385,12 @@ def test_the_remote_mode_sends_one_burst_directly_and_through_the_stack(transact
     forwarded = [body for body in bodies if "ignore_eos" not in body]
     assert len(forwarded) == 4 and all(body["model"] == "stub-peer" and body["stream"] is True for body in forwarded)
     assert sorted(body["max_tokens"] for body in forwarded[1:]) == sorted(body["max_tokens"] for body in bodies[1:4])
+    # Each send's prompts are its own: the send through Ceiling finds none of the direct one's in a cache.
+    direct_systems = {body["messages"][0]["content"] for body in bodies[1:4]}
+    through_systems = {body["messages"][0]["content"] for body in forwarded[1:]}
+    assert not direct_systems & through_systems
+    assert all(system.startswith("[direct] ") for system in direct_systems)
+    assert all(system.startswith("[through Ceiling] ") for system in through_systems)
 
 
 @pytest.mark.parametrize("given", ["http://127.0.0.1:8080", "http://127.0.0.1:8080/", "http://127.0.0.1:8080/v1",

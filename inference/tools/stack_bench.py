@@ -37,7 +37,7 @@ from inference.engine.bench.measure import (
 )
 from inference.engine.bench.modes import batch_figures
 from inference.engine.bench.peer import check_peer, replay, stream_one
-from inference.engine.bench.workload import MAX_OUTPUT_TOKENS, BenchRequest
+from inference.engine.bench.workload import MAX_OUTPUT_TOKENS, BenchRequest, labelled
 from project import stack
 
 BENCH_USER = "bench"
@@ -88,8 +88,11 @@ def run_remote(peer_url: str, requests: list[BenchRequest], *, threads: int, eng
                progress=print) -> tuple[ModeResult, ModeResult]:
     """(direct, through the stack): the same burst straight to the peer, then through Ceiling to it."""
     model = check_peer(peer_url)
-    stream_one(peer_url, model, requests[0], RequestTiming(-1, time.perf_counter()), max_tokens=2)  # warm-up
-    timings = replay(peer_url, model, requests)
+    # Each send and each warm-up with a label of its own (workload.labelled): the send through Ceiling
+    # must not find the direct send's prompts in the peer's prompt cache.
+    direct_requests, through_requests = labelled(requests, "direct"), labelled(requests, "through Ceiling")
+    stream_one(peer_url, model, labelled(requests[:1], "warm-up")[0], RequestTiming(-1, time.perf_counter()), max_tokens=2)
+    timings = replay(peer_url, model, direct_requests)
     direct = ModeResult(summarise(timings, peak_rss_mb=0.0), extra={"peer_url": peer_url, "peer_model": model},
                         timings=timing_rows(timings))
 
@@ -99,12 +102,13 @@ def run_remote(peer_url: str, requests: list[BenchRequest], *, threads: int, eng
     with bench_stack(len(requests), threads, {**engine_env, "CEILING_TTFT_TRACE": "1"}, log_dir, progress) as (port, processes, _):
         url = f"http://127.0.0.1:{port}"
         warm_up = RequestTiming(-1, time.perf_counter())
-        stream_one(url, model, requests[0], warm_up, max_tokens=2, headers=headers, extra_body=body)
+        stream_one(url, model, labelled(requests[:1], "warm-up through Ceiling")[0], warm_up, max_tokens=2,
+                   headers=headers, extra_body=body)
         if warm_up.error or warm_up.first_token is None:
             raise BenchError(f"the stack's warm-up request to the peer failed: {warm_up.error or 'no answer'}")
         wall_minus_perf = time.time() - time.perf_counter()
         cpu_before = [process_cpu_s(p.pid) for p in processes]
-        timings = replay(url, model, requests, headers=headers, extra_body=body)
+        timings = replay(url, model, through_requests, headers=headers, extra_body=body)
         cpu_used = [process_cpu_s(p.pid) - before for p, before in zip(processes, cpu_before, strict=True)]
         peak_rss = sum(process_peak_rss_mb(p.pid) for p in processes)
     # CPU per request of the whole burst (admission to the last token), independent of how busy the machine is.

@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 
 from inference.engine.bench.measure import BenchError, ModeResult, RequestTiming, summarise, timing_rows
-from inference.engine.bench.workload import BenchRequest
+from inference.engine.bench.workload import BenchRequest, labelled
 
 
 def check_peer(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> str:
@@ -33,11 +33,14 @@ def check_peer(url: str, timeout: float = 5.0, headers: dict[str, str] | None = 
 
 def run_peer(url: str, requests: list[BenchRequest], lone_tokens: int = 64) -> ModeResult:
     model = check_peer(url)
-    stream_one(url, model, requests[0], RequestTiming(-1, time.perf_counter()), max_tokens=2)  # warm-up
+    # The warm-up and the lone request carry labels of their own (workload.labelled): neither leaves
+    # a workload prompt in the peer's prompt cache.
+    warm_up, lone_request = labelled([requests[0]], "warm-up")[0], labelled([requests[0]], "lone")[0]
+    stream_one(url, model, warm_up, RequestTiming(-1, time.perf_counter()), max_tokens=2)
     timings = replay(url, model, requests)
     summary = summarise(timings, peak_rss_mb=0.0)  # the peer's memory is its own process's: not measured
     lone = RequestTiming(-2, time.perf_counter())
-    stream_one(url, model, requests[0], lone, max_tokens=lone_tokens)
+    stream_one(url, model, lone_request, lone, max_tokens=lone_tokens)
     extra = {"peer_url": url, "peer_model": model, "tpot_ms_at_1": _rounded(lone.tpot_ms)}
     return ModeResult(summary, extra=extra, timings=timing_rows(timings))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from inference.engine.bench.prefix import SHARED_SYSTEM_PROMPT
@@ -72,6 +72,26 @@ def mixed_workload(spec: WorkloadSpec) -> list[BenchRequest]:
             )
         )
     return requests
+
+
+def labelled(requests: list[BenchRequest], label: str) -> list[BenchRequest]:
+    """The same requests with `[label]` at the start of every system prompt.
+
+    A server that keeps prompts cached between requests answers a burst it has seen before from its
+    cache: llama.cpp's server keeps each slot's last prompt (`cache_prompt`), and in a bench's second
+    and third rounds it evaluated 1 token of most prompts, the shared ~780-token system prompt
+    included, while the engine and stack modes start every round in a fresh process. So each round
+    (and each warm-up, and each send of the remote mode) gets a label of its own: no mode finds an
+    earlier round's prompts in a cache, and within a round the shared-prefix requests still share
+    their system prompt with each other, which is what prefix caching is for.
+    """
+    return [replace(request, messages=[_with_label(message, label) for message in request.messages]) for request in requests]
+
+
+def _with_label(message: dict, label: str) -> dict:
+    if message["role"] != "system":
+        return message
+    return {**message, "content": f"[{label}] {message['content']}"}
 
 
 def describe(spec: WorkloadSpec, requests: list[BenchRequest], prompt_lengths: list[int]) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json as jsonlib
+import secrets
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from inference.engine.bench import report
 from inference.engine.bench.measure import BenchError, machine_facts, measured_flops, roofline_tokens_per_s
 from inference.engine.bench.modes import run_in_child
 from inference.engine.bench.peer import run_peer
-from inference.engine.bench.workload import WorkloadSpec, describe, mixed_workload
+from inference.engine.bench.workload import WorkloadSpec, describe, labelled, mixed_workload
 from inference.engine.config import KV_DTYPE_NAMES, step_limits
 from inference.engine.patches.quantization import MODES
 from inference.engines import model_dir
@@ -203,8 +204,13 @@ class Command(DatabaseCommand):
 
         folder = model_dir(progress=self.stdout.write)
         requests = mixed_workload(spec)
+        # Every round's prompts carry a label of their own (workload.labelled): no mode finds an earlier
+        # round's prompts, or an earlier invocation's, in a cache (a long-running peer keeps them).
+        run_label = f"bench {secrets.token_hex(3)}"
+        rounds = [labelled(requests, f"{run_label} round {number}") for number in range(1, options["repeat"] + 1)]
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        workload = describe(spec, requests, [len(encode_chat(tokenizer, r.messages)) for r in requests])
+        workload = describe(spec, rounds[0], [len(encode_chat(tokenizer, r.messages)) for r in rounds[0]])
+        workload["round_labels"] = f"[{run_label} round N] before each system prompt"
         threads = options["threads"]
         machine = machine_facts(threads)
         flops_before = measured_flops(threads)
@@ -243,7 +249,7 @@ class Command(DatabaseCommand):
         # Rounds, not one mode N times in a row: a VM's slow minutes then fall on every mode alike.
         runs: dict[str, list[dict]] = {}
         prefix = None
-        for round_number in range(1, options["repeat"] + 1):
+        for round_number, requests in enumerate(rounds, start=1):
             for mode in modes:
                 if mode == "prefix" and round_number > 1:
                     continue
