@@ -249,27 +249,27 @@ class Command(DatabaseCommand):
         # Rounds, not one mode N times in a row: a VM's slow minutes then fall on every mode alike.
         runs: dict[str, list[dict]] = {}
         prefix = None
-        for round_number, requests in enumerate(rounds, start=1):
+        for round_number, round_requests in enumerate(rounds, start=1):
             for mode in modes:
                 if mode == "prefix" and round_number > 1:
                     continue
                 self.stdout.write(f"running {mode}…" if options["repeat"] == 1 else f"running {mode} (round {round_number})…")
                 if mode == "prefix":
-                    prefix = run_in_child(mode, folder, requests, {"threads": threads}, options["mode_timeout"])
+                    prefix = run_in_child(mode, folder, round_requests, {"threads": threads}, options["mode_timeout"])
                     continue
                 if mode == "remote":
-                    direct, run = self._remote(options["peer"], requests, threads, engine_options, options["stream_interval"])
+                    direct, run = self._remote(options["peer"], round_requests, threads, engine_options, options["stream_interval"])
                     runs.setdefault("remote_direct", []).append(direct)
                     figures = direct["summary"]
                     self.stdout.write(f"  directly: {figures['output_tokens_per_s']:g} output tokens/s, "
                                       f"TTFT p50 {figures['ttft_p50_ms']:g} ms; through the stack:")
                 elif mode == "stack":
-                    run = self._stack(requests, threads, engine_options, options["stream_interval"])
+                    run = self._stack(round_requests, threads, engine_options, options["stream_interval"])
                 elif mode == "peer":
-                    run = asdict(run_peer(options["peer"], requests))
+                    run = asdict(run_peer(options["peer"], round_requests))
                 else:
                     run = run_in_child(
-                        mode, folder, requests, {"threads": threads, "engine_options": engine_options}, options["mode_timeout"]
+                        mode, folder, round_requests, {"threads": threads, "engine_options": engine_options}, options["mode_timeout"]
                     )
                 runs.setdefault(mode, []).append(run)
                 figures = run["summary"]
