@@ -4,12 +4,17 @@ routes, the same decode stack, the same compiled buckets, without timing anythin
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
 
 from inference.engine import Engine
-from inference.engine.measured import KeptMeasurements, kept_measurements, measurement_key
+from inference.engine import measured as measured_module
+from inference.engine.measured import CONTENDED_SHARE, KeptMeasurements, MachineUse, kept_measurements, measurement_key
 from inference.engine.owned import compiled as compiled_module
 from inference.engine.owned import stack as stack_module
 from inference.engine.owned.compiled import DecodeCompiler
@@ -46,7 +51,29 @@ def forbid_timing(monkeypatch) -> None:
     monkeypatch.setattr(stack_module, "_timed", timed)
 
 
+@contextmanager
+def busy_neighbours():
+    """A busy loop in another process on every CPU of the machine, as a compile or a test suite beside a worker."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+               for _ in range(measured_module._machine_cpus())]
+    try:
+        time.sleep(0.3)  # running before the timing starts
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
+def spin(seconds: float) -> None:
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
 def test_a_second_start_routes_as_the_first_measured_without_timing_and_answers_the_same(tmp_path, monkeypatch):
+    # What a busy start keeps is tested below; here the second start takes whatever the first timed.
+    monkeypatch.setattr(measured_module, "CONTENDED_SHARE", 1.0)
     config = q4_config(tmp_path)
     first_lines: list[str] = []
     first = loaded(config, first_lines)
@@ -123,3 +150,77 @@ def test_kept_compile_verdicts_with_no_faster_bucket_compile_nothing(tmp_path, m
     assert compiler.report.state == "slower" and compiler.report.kept
     assert compiler.report.describe().startswith("decode steps compiled in 0 s: 1 row eager 50.0 ms vs compiled 49.0 ms (eager kept)")
     assert "kept from an earlier start" in compiler.report.describe()
+
+
+def test_machine_use_counts_other_processes_and_not_this_one():
+    with MachineUse() as quiet:
+        spin(0.6)  # this process's own work is the timing, not a neighbour
+    with busy_neighbours(), MachineUse() as busy:
+        time.sleep(0.6)
+    assert quiet.others_share is not None and quiet.others_share < CONTENDED_SHARE, quiet.others_share
+    assert busy.others_share > 0.6, busy.others_share
+
+
+def test_a_measurement_timed_beside_busy_neighbours_is_timed_again_and_the_quiet_one_kept(tmp_path):
+    path = tmp_path / "engine-measurements.json"
+    kept = KeptMeasurements(path, "k")
+    with busy_neighbours():
+        assert kept.measured("q4_routes", lambda: spin(0.5) or "busy") == ("busy", False)
+    busy_share = json.loads(path.read_text())["k"]["others_share"]["q4_routes"]
+    assert busy_share > CONTENDED_SHARE
+
+    assert kept.measured("q4_routes", lambda: spin(0.5) or "quiet") == ("quiet", False)
+    quiet_share = json.loads(path.read_text())["k"]["others_share"]["q4_routes"]
+    assert quiet_share < CONTENDED_SHARE
+    assert kept.measured("q4_routes", lambda: pytest.fail("a quiet measurement was timed again")) == ("quiet", True)
+
+
+def test_a_retiming_no_quieter_than_the_kept_one_leaves_it(tmp_path):
+    path = tmp_path / "engine-measurements.json"
+    kept = KeptMeasurements(path, "k")
+    kept.keep("q4_routes", "earlier", others_share=CONTENDED_SHARE + 0.01)
+    with busy_neighbours():
+        assert kept.measured("q4_routes", lambda: spin(0.5) or "busier") == ("earlier", True)
+    entry = json.loads(path.read_text())["k"]
+    assert entry["values"]["q4_routes"] == "earlier"
+    assert entry["others_share"]["q4_routes"] == round(CONTENDED_SHARE + 0.01, 3)
+
+
+def test_a_file_from_before_the_shares_is_taken_as_quiet(tmp_path):
+    path = tmp_path / "engine-measurements.json"
+    path.write_text(json.dumps({"k": {"values": {"skinny_rows": [1, 2]}}}))
+    kept = KeptMeasurements(path, "k")
+    assert kept.measured("skinny_rows", lambda: pytest.fail("timed again")) == ([1, 2], True)
+
+
+def test_an_engine_whose_retiming_is_busier_routes_as_the_kept_quieter_start(tmp_path, monkeypatch):
+    """The engine applies a kept answer that stands after timing again, not the routes its timing left."""
+    config = q4_config(tmp_path)
+    first = loaded(config, [])
+    try:
+        measured_routes = q4_routes(first.model)
+        name = f"q4_routes.{first.kernels}"
+    finally:
+        first.stop()
+    kept = kept_measurements(config)
+    earlier = kept.recall(name)
+    # An earlier start that routed no step to the 4-bit kernels, timed just over the contended share.
+    earlier["routes"] = {route: 0 if route.endswith("q4_max_rows") else value
+                         for route, value in measured_routes.items()}
+    earlier["q4_max_rows"] = 0
+    kept.keep(name, earlier, others_share=CONTENDED_SHARE + 0.01)
+    assert earlier["routes"] != measured_routes
+
+    retimed = []
+    original = linears.time_routes
+    monkeypatch.setattr(quantization, "time_routes", lambda *a, **k: retimed.append(1) or original(*a, **k))
+    lines: list[str] = []
+    with busy_neighbours():
+        second = loaded(config, lines)
+    try:
+        assert retimed, "a kept measurement timed on a busy machine was not timed again"
+        assert q4_routes(second.model) == earlier["routes"]
+        assert second.q4_max_rows == 0
+        assert kept.recall(name)["routes"] == earlier["routes"]
+    finally:
+        second.stop()

@@ -183,23 +183,10 @@ class Engine:
         """The 4-bit route's reach, and the bf16 copy's for wide steps: as kept from an earlier start on
         this machine (inference/engine/measured.py), else timed now and kept."""
         # Per kernel set: routes timed on torch's kernels (Ceiling's could not be built) say nothing of Ceiling's.
-        name = f"q4_routes.{self.kernels}"
-        kept = self.kept.recall(name)
-        if kept is None:
-            # After the skinny routes: q4 competes with the route an fp32 step would really take.
-            max_rows, q4_timings = measure_q4_rows(self.model)
-            head_max_rows, head_timings = measure_head_rows(self.model)
-            wide_min_rows, wide_timings = NEVER, []
-            if self.config.q4_wide_bf16:
-                wide_min_rows, wide_timings = measure_wide_rows(self.model)
-            kept = {"q4_max_rows": max_rows, "q4_timings": q4_timings, "wide_min_rows": wide_min_rows,
-                    "wide_timings": wide_timings, "head_max_rows": head_max_rows, "head_timings": head_timings,
-                    "routes": q4_routes(self.model)}
-            self.kept.keep(name, kept)
-            note = ""
-        else:
+        kept, was_kept = self.kept.measured(f"q4_routes.{self.kernels}", self._time_q4_routes)
+        if was_kept:  # timing routed the layers as this start measured; a kept answer routes them as it says
             route_packed_layers(self.model, kept["routes"])
-            note = kept_note(True)
+        note = kept_note(was_kept)
         self.q4_max_rows = self.q4_max_rows_before_wide = kept["q4_max_rows"]
         progress("Decode linears, fp32 vs 4-bit weights per pass over the block linears: "
                  f"{describe_q4(self.q4_max_rows, kept['q4_timings'])}{note}")
@@ -213,6 +200,18 @@ class Engine:
                      f"{describe_wide(self.wide_min_rows, kept['wide_timings'])}{note}")
         self.step_ms = routed_step_ms(kept, self.wide_min_rows)
         self.weights_bytes = weights_memory_bytes(self.model)
+
+    def _time_q4_routes(self) -> dict:
+        """Time the packed layers' routes on this machine and route them (the kept shape of q4_routes)."""
+        # After the skinny routes: q4 competes with the route an fp32 step would really take.
+        max_rows, q4_timings = measure_q4_rows(self.model)
+        head_max_rows, head_timings = measure_head_rows(self.model)
+        wide_min_rows, wide_timings = NEVER, []
+        if self.config.q4_wide_bf16:
+            wide_min_rows, wide_timings = measure_wide_rows(self.model)
+        return {"q4_max_rows": max_rows, "q4_timings": q4_timings, "wide_min_rows": wide_min_rows,
+                "wide_timings": wide_timings, "head_max_rows": head_max_rows, "head_timings": head_timings,
+                "routes": q4_routes(self.model)}
 
     def _choose_prefill_budget(self, progress) -> int:
         """The configured prefill budget, else the one this machine's step times give (owned/scheduler.py)."""
