@@ -203,6 +203,10 @@ def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transa
     assert stack["ttft_to_client_p50_ms"] > -2  # the first frame's way back (the ledger keeps whole ms)
     assert "frame → guard" in printed.getvalue()
     assert len(details["timings"]["stack"]) == 3 and len(details["prefix"]["ttft_ms_on"]) == 3
+    # e2e ends at the last token frame, as the peer's at its last chunk; `done` (the ledger settled) after it.
+    assert all(row["done_after_last_token_ms"] >= 0 for row in details["timings"]["stack"])
+    assert 0 <= stack["done_after_last_token_p50_ms"] <= stack["done_after_last_token_max_ms"]
+    assert "`done` after the last token" in printed.getvalue()
     report = page.read_text()
     assert report.count('class="plotly-graph-div"') == 3 and report.count("Plotly.newPlot(") == 3
     assert "Output tokens" in report and "End-to-end latency" in report and "stack" in report

@@ -68,8 +68,19 @@ def run_stack(requests: list[BenchRequest], *, threads: int, engine_env: dict[st
         peak_rss = sum(process_peak_rss_mb(p.pid) for p in processes)
     extra = sampler.figures() | {
         "connect_ms_p50": round(percentile(connect_ms, 50), 1), "connect_ms_p99": round(percentile(connect_ms, 99), 1),
-    } | cpu_per_token(cpu_before, cpu_used, timings) | ttft_parts(timings, wall_minus_perf)
+    } | cpu_per_token(cpu_before, cpu_used, timings) | ttft_parts(timings, wall_minus_perf) | done_after_last_token(timings)
     return ModeResult(summarise(timings, peak_rss), extra=extra, timings=timing_rows(timings))
+
+
+def done_after_last_token(timings: list[RequestTiming]) -> dict:
+    """How long after a request's last token its `done` frame came (p50 and max ms): the ledger's
+    settlement, which the stack does before it says done and which the user does not wait for to read
+    the answer. Reported beside e2e, which ends at the last token as the peer's does."""
+    gaps = [(t.done - t.finished) * 1000 for t in timings if t.error is None and t.done is not None and t.finished is not None]
+    if not gaps:
+        return {}
+    return {"done_after_last_token_p50_ms": round(percentile(gaps, 50), 1),
+            "done_after_last_token_max_ms": round(max(gaps), 1)}
 
 
 def cpu_per_token(before: list[float], after: list[float], timings: list[RequestTiming]) -> dict:
@@ -409,10 +420,11 @@ async def _one_chat(ws, request: BenchRequest, timing: RequestTiming) -> None:
             now = time.perf_counter()
             if message["type"] == "accepted":
                 timing.request_id = message["request_id"]
-            elif message["type"] == "token" and timing.first_token is None:
-                timing.first_token = now
+            elif message["type"] == "token":
+                timing.first_token = timing.first_token or now
+                timing.finished = now  # the last token ends e2e, as the peer's last chunk does
             elif message["type"] == "done":
-                timing.finished = now
+                timing.done, timing.finished = now, timing.finished or now
                 timing.output_tokens = message["usage"]["completion_tokens"]
                 return
             elif message["type"] in ("error", "refused"):

@@ -197,10 +197,12 @@ async def one_chat(ws, request: BenchRequest, timing: RequestTiming) -> None:
     while True:
         message = json.loads(await asyncio.wait_for(ws.recv(), timeout=600))
         now = time.perf_counter()
-        if message["type"] == "token" and timing.first_token is None:
-            timing.first_token = now
+        if message["type"] == "token":
+            timing.first_token = timing.first_token or now
+            timing.finished = now  # the answer's last token, as the peer's is timed
         elif message["type"] == "done":
-            timing.finished, timing.output_tokens = now, message["usage"]["completion_tokens"]
+            timing.done, timing.finished = now, timing.finished or now
+            timing.output_tokens = message["usage"]["completion_tokens"]
             return
         elif message["type"] in ("error", "refused"):
             timing.error = f"{message['type']} {message.get('code')}: {message.get('message')}"
@@ -212,7 +214,9 @@ def chat_figures(timing: RequestTiming) -> dict:
         return {"error": timing.error or "no token"}
     tpot = timing.tpot_ms
     return {"ttft_ms": round(timing.ttft_ms, 1), "ms_per_token": None if tpot is None else round(tpot, 2),
-            "tokens": timing.output_tokens}
+            "tokens": timing.output_tokens,
+            # the ledger's settlement before `done`: not part of the answer's time, shown beside it
+            "done_after_last_token_ms": round((timing.done - timing.finished) * 1000, 1)}
 
 
 def peer_figures(peer: str, requests: list[BenchRequest]) -> list[float | None]:

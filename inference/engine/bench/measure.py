@@ -32,7 +32,8 @@ class RequestTiming:
     index: int
     arrival: float  # perf_counter seconds
     first_token: float | None = None
-    finished: float | None = None
+    finished: float | None = None  # the last token's arrival (vLLM's e2e ends there)
+    done: float | None = None  # the stack's `done` frame, sent once the ledger row is settled
     output_tokens: int = 0
     error: str | None = None
     request_id: str | None = None  # the stack's: from its `accepted` frame, to find its ledger row
@@ -104,7 +105,7 @@ def timing_rows(timings: list[RequestTiming]) -> list[dict]:
             "ttft_ms": round(t.ttft_ms, 1),
             "e2e_ms": round(t.e2e_ms, 1),
             "tpot_ms": None if t.tpot_ms is None else round(t.tpot_ms, 2),
-        }
+        } | ({} if t.done is None else {"done_after_last_token_ms": round((t.done - t.finished) * 1000, 1)})
         for t in timings
     ]
 

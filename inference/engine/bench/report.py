@@ -115,6 +115,10 @@ def table(result: dict, extras: dict[str, dict]) -> str:
                      f"guard → first token in the worker {stack['ttft_guard_to_first_token_p50_ms']:g} "
                      f"({stack['ttft_guard_to_first_token_max_ms']:g}), → client {stack['ttft_to_client_p50_ms']:g} "
                      f"({stack['ttft_to_client_max_ms']:g})")
+    if "done_after_last_token_p50_ms" in extras.get("stack", {}):
+        stack = extras["stack"]
+        lines.append(f"stack: `done` after the last token (the ledger settled), p50 {stack['done_after_last_token_p50_ms']:g} ms, "
+                     f"max {stack['done_after_last_token_max_ms']:g} (e2e and TPOT end at the last token, as the peer's)")
     remote = result.get("remote_vs_direct")
     if remote:
         lines.append("remote through the stack ÷ directly: " + ", ".join(
@@ -194,8 +198,9 @@ def first_run_table(result: dict) -> str:
             lines.append(f"chat {index + 1}: {chat['error']}")
             continue
         beside = f" (peer {peer:.2f} ms)" if peer else ""
+        settled = f", done {chat['done_after_last_token_ms']:.0f} ms after it" if "done_after_last_token_ms" in chat else ""
         lines.append(f"chat {index + 1}: TTFT {chat['ttft_ms']:.0f} ms, {chat['ms_per_token'] or 0:.2f} ms/token "
-                     f"over {chat['tokens']} tokens{beside}")
+                     f"over {chat['tokens']} tokens to the last one{settled}{beside}")
     if result.get("ms_per_token_median"):
         peer = result.get("peer_ms_per_token_median")
         ratio = f", {result['ms_per_token_median'] / peer:.2f}x the peer's {peer:.2f} ms" if peer else ""
