@@ -428,3 +428,62 @@ def test_nucleus_filtering_keeps_what_a_sort_of_the_whole_vocabulary_keeps(sharp
     expected = torch.zeros_like(probs).scatter_(-1, order, ordered)
     kept = _nucleus(probs.clone(), top_p)
     assert torch.equal(kept, expected) and int((kept > 0).sum()) >= 1
+
+
+def _penalised_row_by_row(logits: torch.Tensor, seq) -> torch.Tensor:
+    """The penalties as OpenAI defines them, one row at a time (the sampler's code before 2026-12-08)."""
+    sampling, row = seq.sampling, logits.float().clone()
+    if (sampling.presence_penalty or sampling.frequency_penalty) and seq.generated:
+        ids, counts = torch.tensor(seq.generated).unique(return_counts=True)
+        row[ids] -= sampling.frequency_penalty * counts + sampling.presence_penalty
+    return row
+
+
+def test_a_batch_penalised_in_one_update_picks_what_each_row_penalised_alone_picks():
+    """Rows of every kind in one step: plain, greedy with each penalty, sampled with a seed and
+    penalties, and one asking for logprobs, which are the model's, from before the penalties."""
+    from inference.engine.owned.sampler import new_generator, pick_tokens
+
+    generator = torch.Generator().manual_seed(11)
+    vocab = 49152
+    logits = torch.randn(6, vocab, generator=generator) * 4
+    history = torch.randint(0, 200, (6, 40), generator=generator).tolist()
+    kinds = [GREEDY, Sampling(frequency_penalty=0.5), Sampling(presence_penalty=1.5),
+             Sampling(frequency_penalty=-0.7, presence_penalty=0.3, temperature=0.8, seed=5),
+             Sampling(frequency_penalty=2.0, logprobs=True, top_logprobs=3), Sampling(temperature=1.2, top_p=0.9, seed=9)]
+    rows = [Sequence(f"r{i}", [1, 2, 3], 50, frozenset(), sampling=kind) for i, kind in enumerate(kinds)]
+    for seq, generated in zip(rows, history, strict=True):
+        seq.generated = generated + generated[:7]  # some tokens twice, so the counts matter
+        # The likeliest token, by less than any penalty here takes off it: a penalty changes the answer.
+        index = rows.index(seq)
+        logits[index, generated[0]] = logits[index].max() + 0.2
+    expected_tokens = []
+    for index, seq in enumerate(rows):
+        row = _penalised_row_by_row(logits[index], seq)
+        if seq.sampling.temperature > 0:
+            probs = torch.softmax(row / seq.sampling.temperature, dim=-1)
+            if seq.sampling.top_p < 1:
+                from inference.engine.owned.sampler import _nucleus
+                probs = _nucleus(probs, seq.sampling.top_p)
+            expected_tokens.append(int(torch.multinomial(probs, 1, generator=new_generator(seq.sampling.seed, "cpu"))))
+        else:
+            expected_tokens.append(int(row.argmax()))
+    logprobs_before = torch.log_softmax(logits[4], dim=-1)
+
+    tokens, entries = pick_tokens(logits.clone(), rows)
+
+    assert tokens == expected_tokens
+    assert tokens[0] == history[0][0] and tokens[1] != history[1][0]  # the plain row keeps, a penalty moves
+    assert entries[4] is not None and entries[4][0] == pytest.approx(float(logprobs_before[tokens[4]]), abs=1e-5)
+    assert [token for token, _ in entries[4][1]] == logprobs_before.topk(3).indices.tolist()
+    assert all(entry is None for index, entry in enumerate(entries) if index != 4)
+
+
+def test_a_greedy_row_takes_the_first_of_equally_likely_tokens_as_argmax_does():
+    from inference.engine.owned.sampler import greedy_tokens
+
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randint(-3, 4, (16, 49152), generator=generator).float()  # every row full of ties
+    logits[3, 7] = logits[3, 40000] = 9.0
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert int(greedy_tokens(logits)[3]) == 7
