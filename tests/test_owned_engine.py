@@ -431,7 +431,7 @@ def test_nucleus_filtering_keeps_what_a_sort_of_the_whole_vocabulary_keeps(sharp
 
 
 def _penalised_row_by_row(logits: torch.Tensor, seq) -> torch.Tensor:
-    """The penalties as OpenAI defines them, one row at a time (the sampler's code before 2026-12-08)."""
+    """The penalties as OpenAI defines them, one row at a time (the sampler's code before 2026-12-07)."""
     sampling, row = seq.sampling, logits.float().clone()
     if (sampling.presence_penalty or sampling.frequency_penalty) and seq.generated:
         ids, counts = torch.tensor(seq.generated).unique(return_counts=True)
