@@ -153,25 +153,31 @@ def test_kept_compile_verdicts_with_no_faster_bucket_compile_nothing(tmp_path, m
 
 
 def test_machine_use_counts_other_processes_and_not_this_one():
-    with MachineUse() as quiet:
-        spin(0.6)  # this process's own work is the timing, not a neighbour
+    quiet = []
+    for _ in range(3):  # the least busy of three, should something else on the machine wake meanwhile
+        with MachineUse() as use:
+            spin(0.6)  # this process's own work is the timing, not a neighbour
+        quiet.append(use.others_share)
     with busy_neighbours(), MachineUse() as busy:
         time.sleep(0.6)
-    assert quiet.others_share is not None and quiet.others_share < CONTENDED_SHARE, quiet.others_share
+    assert None not in quiet and min(quiet) < CONTENDED_SHARE, quiet
     assert busy.others_share > 0.6, busy.others_share
 
 
-def test_a_measurement_timed_beside_busy_neighbours_is_timed_again_and_the_quiet_one_kept(tmp_path):
+def test_a_measurement_timed_beside_busy_neighbours_is_timed_again_and_the_quiet_one_kept(tmp_path, monkeypatch):
+    # Halfway between a quiet machine (a few percent) and busy loops on every CPU (~100%): what else
+    # the machine runs during the test must not decide it.
+    monkeypatch.setattr(measured_module, "CONTENDED_SHARE", 0.5)
     path = tmp_path / "engine-measurements.json"
     kept = KeptMeasurements(path, "k")
     with busy_neighbours():
         assert kept.measured("q4_routes", lambda: spin(0.5) or "busy") == ("busy", False)
     busy_share = json.loads(path.read_text())["k"]["others_share"]["q4_routes"]
-    assert busy_share > CONTENDED_SHARE
+    assert busy_share > measured_module.CONTENDED_SHARE
 
     assert kept.measured("q4_routes", lambda: spin(0.5) or "quiet") == ("quiet", False)
     quiet_share = json.loads(path.read_text())["k"]["others_share"]["q4_routes"]
-    assert quiet_share < CONTENDED_SHARE
+    assert quiet_share < measured_module.CONTENDED_SHARE
     assert kept.measured("q4_routes", lambda: pytest.fail("a quiet measurement was timed again")) == ("quiet", True)
 
 
