@@ -414,3 +414,13 @@ def test_bench_positions_says_which_engine_failed_to_load(tmp_path):
 
     with pytest.raises(PositionsError, match="the float16 engine failed: .*"):
         measure_positions(tmp_path / "no-model-here", ["float16"], (0,), tokens=2, rounds=1, progress=lambda _: None)
+
+
+def test_a_first_run_chat_is_timed_to_its_last_token_and_the_settlement_shown_beside():
+    from inference.engine.bench.first_run import chat_figures
+
+    timing = RequestTiming(0, arrival=10.0, first_token=10.1, finished=10.73, done=10.745, output_tokens=64)
+    figures = chat_figures(timing)
+    assert figures["ttft_ms"] == pytest.approx(100.0)
+    assert figures["ms_per_token"] == pytest.approx(10.0)  # (10.73 - 10.1) s over 63 tokens, not to `done`
+    assert figures["done_after_last_token_ms"] == pytest.approx(15.0)
