@@ -207,6 +207,11 @@ def test_bench_runs_every_mode_on_one_workload_and_writes_the_agreed_json(transa
     assert all(row["done_after_last_token_ms"] >= 0 for row in details["timings"]["stack"])
     assert 0 <= stack["done_after_last_token_p50_ms"] <= stack["done_after_last_token_max_ms"]
     assert "`done` after the last token" in printed.getvalue()
+    # The engine's own decode steps by row count, in the engine mode's process and in the stack's worker.
+    for mode in ("engine", "stack"):
+        steps = details["extras"][mode]["decode_step_ms_p50"]
+        assert steps and all(int(rows) >= 1 and ms > 0 for rows, ms in steps.items()), (mode, steps)
+    assert "decode step p50, engine mode / the stack's worker" in printed.getvalue()
     report = page.read_text()
     assert report.count('class="plotly-graph-div"') == 3 and report.count("Plotly.newPlot(") == 3
     assert "Output tokens" in report and "End-to-end latency" in report and "stack" in report
@@ -424,3 +429,13 @@ def test_a_first_run_chat_is_timed_to_its_last_token_and_the_settlement_shown_be
     assert figures["ttft_ms"] == pytest.approx(100.0)
     assert figures["ms_per_token"] == pytest.approx(10.0)  # (10.73 - 10.1) s over 63 tokens, not to `done`
     assert figures["done_after_last_token_ms"] == pytest.approx(15.0)
+
+
+def test_the_decode_steps_line_compares_the_row_counts_both_modes_ran():
+    from inference.engine.bench.report import decode_steps_line
+
+    assert decode_steps_line({"1": 3.4, "8": 12.0}, {"1": 5.9, "12": 30.0}) == (
+        "decode step p50, engine mode / the stack's worker: 1 row 3.4 / 5.9 ms")
+    many = {str(rows): float(rows) for rows in range(1, 21)}
+    assert decode_steps_line(many, many).count(" ms") == 6
+    assert decode_steps_line({}, {"1": 2.0}) == "" and decode_steps_line(None, None) == ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -248,6 +249,12 @@ def test_stats_report_batch_cache_and_throughput(engine):
     prompt = len(engine.encode_chat([{"role": "user", "content": "Count to ten."}]))
     assert after.prefill_tokens_per_s > prompt / 10
     assert after.peak_prefill_tokens_per_s >= after.prefill_tokens_per_s
+    # A lone request's decode steps, one row each: their median time (the owned loop times its steps).
+    if engine.loop == "owned":
+        assert 0 < after.decode_step_ms_p50["1"] < took_s * 1000
+        assert json.loads(json.dumps(after.as_dict()))["decode_step_ms_p50"] == after.decode_step_ms_p50
+    else:
+        assert after.decode_step_ms_p50 == {}
 
 
 @pytest.mark.django_db

@@ -482,6 +482,7 @@ class Engine:
             decode_stack_state=stack.state if stack else "",
             decode_stack=stack.describe() if stack else "",
             thread_backoffs=getattr(getattr(self.manager, "governor", None), "backoffs", 0),
+            decode_step_ms_p50=self.manager.decode_step_ms_p50() if hasattr(self.manager, "decode_step_ms_p50") else {},
         )
 
     def compile_report(self):

@@ -50,6 +50,9 @@ class EngineStats:
     decode_stack: str = ""
     # Times the owned loop dropped to one thread because another process held a core (owned/threads.py).
     thread_backoffs: int = 0
+    # The median ms of the owned loop's recent decode-only steps by row count ({"1": 3.4, "12": 28.1}):
+    # the same step in a worker beside the web tier and alone in a bench process.
+    decode_step_ms_p50: dict = field(default_factory=dict)
     updated_at: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict:

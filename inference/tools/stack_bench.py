@@ -340,6 +340,7 @@ class WorkerSampler(threading.Thread):
         self.kv_blocks: list[int] = []
         self.kv_blocks_total = 0
         self.backoffs: list[int] = []  # the engine's count of steps dropped to one thread (owned/threads.py)
+        self.decode_step_ms_p50: dict = {}  # the worker's latest, as its stats publish it
         self._stopped = threading.Event()
 
     def run(self) -> None:
@@ -347,6 +348,8 @@ class WorkerSampler(threading.Thread):
 
         while not self._stopped.wait(0.25):
             for stats in read_engine_stats():
+                if stats["worker"] == self.worker:
+                    self.decode_step_ms_p50 = stats.get("decode_step_ms_p50") or self.decode_step_ms_p50
                 if stats["worker"] == self.worker and stats.get("running"):
                     self.running.append(stats["running"])
                     self.kv_blocks.append(stats["kv_blocks_used"])
@@ -360,7 +363,8 @@ class WorkerSampler(threading.Thread):
     def figures(self) -> dict:
         # Back-offs during the run: another process (daphne, the clients) held a core through steps.
         backoffs = self.backoffs[-1] - self.backoffs[0] if self.backoffs else 0
-        return batch_figures(self.running, self.kv_blocks, self.kv_blocks_total) | {"thread_backoffs": backoffs}
+        return batch_figures(self.running, self.kv_blocks, self.kv_blocks_total) | {
+            "thread_backoffs": backoffs, "decode_step_ms_p50": self.decode_step_ms_p50}
 
 
 async def replay_over_websockets(url: str, origin: str, cookie: str,

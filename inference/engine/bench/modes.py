@@ -188,6 +188,7 @@ def run_engine(model_dir: Path, requests: list[BenchRequest], threads: int = 2, 
         sampler.start()
         timings = replay_on_engine(engine, requests, prompts)
         sampler.stop()
+        step_ms = {"decode_step_ms_p50": engine.stats().decode_step_ms_p50}  # the burst's, before the lone probe
         lone = lone_request_figures(engine, prompts[0], threads)
     finally:
         engine.stop()
@@ -195,7 +196,7 @@ def run_engine(model_dir: Path, requests: list[BenchRequest], threads: int = 2, 
     compiled = {} if report is None else {"compiled_decode": report.as_dict()}
     stack = engine.stack_report()
     compiled |= {} if stack is None else {"decode_stack": stack.as_dict()}
-    extra = sampler.figures() | lone | compiled | {"skinny_buckets": engine.skinny_buckets, "loop": engine.loop,
+    extra = sampler.figures() | lone | step_ms | compiled | {"skinny_buckets": engine.skinny_buckets, "loop": engine.loop,
                                         "quantization": engine.config.quantization, "q4_max_rows": engine.q4_max_rows,
                                         "q4_kernels": engine.kernels, "prefill_budget": engine.prefill_budget,
                                         "wide_min_rows": None if engine.wide_min_rows == NEVER else engine.wide_min_rows}

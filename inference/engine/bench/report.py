@@ -115,6 +115,10 @@ def table(result: dict, extras: dict[str, dict]) -> str:
                      f"guard → first token in the worker {stack['ttft_guard_to_first_token_p50_ms']:g} "
                      f"({stack['ttft_guard_to_first_token_max_ms']:g}), → client {stack['ttft_to_client_p50_ms']:g} "
                      f"({stack['ttft_to_client_max_ms']:g})")
+    step_line = decode_steps_line(extras.get("engine", {}).get("decode_step_ms_p50"),
+                                  extras.get("stack", {}).get("decode_step_ms_p50"))
+    if step_line:
+        lines.append(step_line)
     if "done_after_last_token_p50_ms" in extras.get("stack", {}):
         stack = extras["stack"]
         lines.append(f"stack: `done` after the last token (the ledger settled), p50 {stack['done_after_last_token_p50_ms']:g} ms, "
@@ -185,6 +189,17 @@ def write_html(path: Path, result: dict, details: dict) -> None:
         + "".join(parts)
         + f"<h2>Workload and machine</h2><pre>{html.escape(json.dumps({k: result[k] for k in ('workload', 'machine')}, indent=2))}</pre>"
     )
+
+
+def decode_steps_line(engine: dict | None, stack: dict | None) -> str:
+    """The same decode step alone in the engine mode's process and in the stack's worker, beside the
+    web tier: its median ms at the row counts both ran most recently (at most six)."""
+    shared = sorted(set(engine or {}) & set(stack or {}), key=int)
+    if not shared:
+        return ""
+    picked = shared if len(shared) <= 6 else [shared[round(i * (len(shared) - 1) / 5)] for i in range(6)]
+    return "decode step p50, engine mode / the stack's worker: " + ", ".join(
+        f"{rows} row{'s' if rows != '1' else ''} {engine[rows]:g} / {stack[rows]:g} ms" for rows in picked)
 
 
 def first_run_table(result: dict) -> str:

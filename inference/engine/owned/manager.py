@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,8 @@ from .stack import install as install_stack
 from .threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
+
+STEP_TIMES_KEPT = 64  # decode steps per row count that the stats' median reads
 
 
 @dataclass
@@ -74,6 +78,9 @@ class OwnedManager:
         self._alive = False
         self.steps = 0
         self.step_seconds = 0.0
+        # rows → the last STEP_TIMES_KEPT decode-only steps' ms (the step and the pick): the engine's own
+        # speed where it serves, beside whatever shares its cores (EngineStats.decode_step_ms_p50).
+        self.decode_step_ms: dict[int, deque[float]] = {}
         self.governor: ThreadGovernor | None = None  # made in the loop thread, whose thread count it sets
 
     # --- the interface the Engine drives ---------------------------------------------------------
@@ -177,6 +184,17 @@ class OwnedManager:
         stacked = self.runner.stacked
         return stacked is not None and stacked.max_rows >= max(buckets)
 
+    def decode_step_ms_p50(self) -> dict[str, float]:
+        """The median of the recent decode-only steps' ms by row count ({"1": 3.4, "12": 28.1}; JSON keys)."""
+        recent = list(self.decode_step_ms.items())  # one copy under the GIL: the loop thread adds to it
+        return {str(rows): round(statistics.median(list(times)), 2) for rows, times in sorted(recent) if times}
+
+    def _times_of(self, rows: int) -> deque[float]:
+        times = self.decode_step_ms.get(rows)
+        if times is None:
+            times = self.decode_step_ms[rows] = deque(maxlen=STEP_TIMES_KEPT)
+        return times
+
     def _take_incoming(self, by_id: dict[str, Sequence]) -> None:
         while True:
             try:
@@ -212,7 +230,10 @@ class OwnedManager:
         for seq in plan.decode:
             seq.computed = len(seq)
         tokens, entries = pick_tokens(logits, yielding) if yielding else ([], [])
-        self.step_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.step_seconds += elapsed
+        if not plan.prefill:
+            self._times_of(len(plan.decode)).append(elapsed * 1000)
         for seq, token, entry in zip(yielding, tokens, entries, strict=True):
             seq.append(token)
             if entry is not None:
