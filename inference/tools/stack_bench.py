@@ -76,7 +76,7 @@ def done_after_last_token(timings: list[RequestTiming]) -> dict:
     """How long after a request's last token its `done` frame came (p50 and max ms): the ledger's
     settlement, which the stack does before it says done and which the user does not wait for to read
     the answer. Reported beside e2e, which ends at the last token as the peer's does."""
-    gaps = [(t.done - t.finished) * 1000 for t in timings if t.error is None and t.done is not None and t.finished is not None]
+    gaps = [t.done_after_last_token_ms for t in timings if t.error is None and t.done_after_last_token_ms is not None]
     if not gaps:
         return {}
     return {"done_after_last_token_p50_ms": round(percentile(gaps, 50), 1),
@@ -348,9 +348,10 @@ class WorkerSampler(threading.Thread):
 
         while not self._stopped.wait(0.25):
             for stats in read_engine_stats():
-                if stats["worker"] == self.worker:
-                    self.decode_step_ms_p50 = stats.get("decode_step_ms_p50") or self.decode_step_ms_p50
-                if stats["worker"] == self.worker and stats.get("running"):
+                if stats["worker"] != self.worker:
+                    continue
+                self.decode_step_ms_p50 = stats.get("decode_step_ms_p50") or self.decode_step_ms_p50
+                if stats.get("running"):
                     self.running.append(stats["running"])
                     self.kv_blocks.append(stats["kv_blocks_used"])
                     self.kv_blocks_total = stats["kv_blocks_total"]
@@ -421,18 +422,7 @@ async def _one_chat(ws, request: BenchRequest, timing: RequestTiming) -> None:
         await ws.send(json.dumps(frame))
         while True:
             message = json.loads(await asyncio.wait_for(ws.recv(), timeout=600))
-            now = time.perf_counter()
-            if message["type"] == "accepted":
-                timing.request_id = message["request_id"]
-            elif message["type"] == "token":
-                timing.first_token = timing.first_token or now
-                timing.finished = now  # the last token ends e2e, as the peer's last chunk does
-            elif message["type"] == "done":
-                timing.done, timing.finished = now, timing.finished or now
-                timing.output_tokens = message["usage"]["completion_tokens"]
-                return
-            elif message["type"] in ("error", "refused"):
-                timing.error = f"{message['type']} {message.get('code')}: {message.get('message')}"
+            if timing.record_chat_frame(message, time.perf_counter()):
                 return
     except (OSError, TimeoutError) as exc:
         timing.error = f"{type(exc).__name__}: {exc}"

@@ -196,16 +196,7 @@ async def one_chat(ws, request: BenchRequest, timing: RequestTiming) -> None:
     await ws.send(json.dumps(frame))
     while True:
         message = json.loads(await asyncio.wait_for(ws.recv(), timeout=600))
-        now = time.perf_counter()
-        if message["type"] == "token":
-            timing.first_token = timing.first_token or now
-            timing.finished = now  # the answer's last token, as the peer's is timed
-        elif message["type"] == "done":
-            timing.done, timing.finished = now, timing.finished or now
-            timing.output_tokens = message["usage"]["completion_tokens"]
-            return
-        elif message["type"] in ("error", "refused"):
-            timing.error = f"{message['type']} {message.get('code')}: {message.get('message')}"
+        if timing.record_chat_frame(message, time.perf_counter()):
             return
 
 
@@ -216,7 +207,7 @@ def chat_figures(timing: RequestTiming) -> dict:
     return {"ttft_ms": round(timing.ttft_ms, 1), "ms_per_token": None if tpot is None else round(tpot, 2),
             "tokens": timing.output_tokens,
             # the ledger's settlement before `done`: not part of the answer's time, shown beside it
-            "done_after_last_token_ms": round((timing.done - timing.finished) * 1000, 1)}
+            "done_after_last_token_ms": round(timing.done_after_last_token_ms, 1)}
 
 
 def peer_figures(peer: str, requests: list[BenchRequest]) -> list[float | None]:

@@ -52,6 +52,30 @@ class RequestTiming:
             return None
         return (self.e2e_ms - self.ttft_ms) / (self.output_tokens - 1)
 
+    @property
+    def done_after_last_token_ms(self) -> float | None:
+        """How long after the last token the stack's `done` frame came (the ledger's settlement); None without one."""
+        if self.done is None or self.finished is None:
+            return None
+        return (self.done - self.finished) * 1000
+
+    def record_chat_frame(self, message: dict, now: float) -> bool:
+        """Time one frame of Ceiling's chat socket; True once the chat has ended (done, error or refused)."""
+        kind = message["type"]
+        if kind == "accepted":
+            self.request_id = message["request_id"]
+        elif kind == "token":
+            self.first_token = self.first_token or now
+            self.finished = now  # the last token ends e2e, as the peer's last chunk does
+        elif kind == "done":
+            self.done, self.finished = now, self.finished or now
+            self.output_tokens = message["usage"]["completion_tokens"]
+            return True
+        elif kind in ("error", "refused"):
+            self.error = f"{kind} {message.get('code')}: {message.get('message')}"
+            return True
+        return False
+
 
 @dataclass
 class ModeResult:
@@ -105,7 +129,7 @@ def timing_rows(timings: list[RequestTiming]) -> list[dict]:
             "ttft_ms": round(t.ttft_ms, 1),
             "e2e_ms": round(t.e2e_ms, 1),
             "tpot_ms": None if t.tpot_ms is None else round(t.tpot_ms, 2),
-        } | ({} if t.done is None else {"done_after_last_token_ms": round((t.done - t.finished) * 1000, 1)})
+        } | ({} if t.done_after_last_token_ms is None else {"done_after_last_token_ms": round(t.done_after_last_token_ms, 1)})
         for t in timings
     ]
 

@@ -14,8 +14,9 @@ import queue
 import statistics
 import threading
 import time
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -80,7 +81,7 @@ class OwnedManager:
         self.step_seconds = 0.0
         # rows → the last STEP_TIMES_KEPT decode-only steps' ms (the step and the pick): the engine's own
         # speed where it serves, beside whatever shares its cores (EngineStats.decode_step_ms_p50).
-        self.decode_step_ms: dict[int, deque[float]] = {}
+        self.decode_step_ms: defaultdict[int, deque[float]] = defaultdict(partial(deque, maxlen=STEP_TIMES_KEPT))
         self.governor: ThreadGovernor | None = None  # made in the loop thread, whose thread count it sets
 
     # --- the interface the Engine drives ---------------------------------------------------------
@@ -189,12 +190,6 @@ class OwnedManager:
         recent = list(self.decode_step_ms.items())  # one copy under the GIL: the loop thread adds to it
         return {str(rows): round(statistics.median(list(times)), 2) for rows, times in sorted(recent) if times}
 
-    def _times_of(self, rows: int) -> deque[float]:
-        times = self.decode_step_ms.get(rows)
-        if times is None:
-            times = self.decode_step_ms[rows] = deque(maxlen=STEP_TIMES_KEPT)
-        return times
-
     def _take_incoming(self, by_id: dict[str, Sequence]) -> None:
         while True:
             try:
@@ -233,7 +228,7 @@ class OwnedManager:
         elapsed = time.perf_counter() - started
         self.step_seconds += elapsed
         if not plan.prefill:
-            self._times_of(len(plan.decode)).append(elapsed * 1000)
+            self.decode_step_ms[len(plan.decode)].append(elapsed * 1000)
         for seq, token, entry in zip(yielding, tokens, entries, strict=True):
             seq.append(token)
             if entry is not None:
